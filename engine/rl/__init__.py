@@ -1,0 +1,1 @@
+"""Policy-gradient pieces: group advantages, the clipped surrogate loss, AQN noise."""

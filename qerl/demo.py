@@ -1,0 +1,146 @@
+"""`qerl demo`: start the embedded service, run a real fine-tuning job end to end, show it.
+
+Starts ``qerl serve`` (SQLite + in-process worker) in a private data directory, submits the
+demo job (SmolLM2-135M-Instruct, NVFP4 base, LoRA, AQN, GRPO/DAPO on a reasoning-gym task),
+follows its progress, downloads the adapter (sha256 checked) and prints the evaluation
+before and after training.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from qerl.client import Client, QerlError
+
+console = Console()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server(data_dir: Path, port: int) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+    env.update(QERL_DATA_DIR=str(data_dir), QERL_CONFIG=str(data_dir / "config.json"), PYTHONUNBUFFERED="1")
+    log = (data_dir / "server.log").open("ab")
+    return subprocess.Popen([sys.executable, "-m", "qerl.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode}; see its log")
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server did not become ready within {timeout:.0f} s")
+
+
+def _eval_table(metrics: list[dict]) -> Table:
+    evals = [m for m in metrics if any(k.startswith("eval/") for k in m["values"])]
+    table = Table(title="Held-out evaluation (greedy, adapter attached)")
+    table.add_column("step", justify="right")
+    keys = sorted({k for m in evals for k in m["values"] if k.startswith("eval/")})
+    for k in keys:
+        table.add_column(k, justify="right")
+    for m in evals:
+        table.add_row(str(m["step"]), *[f"{m['values'].get(k, float('nan')):.3f}" for k in keys])
+    return table
+
+
+def run_demo(data_dir: Path, steps: int | None) -> int:
+    from engine.data.demo import DEMO_SPEC  # torch-free
+
+    data_dir = data_dir.resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    os.environ["QERL_CONFIG"] = str(data_dir / "config.json")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    console.print(f"[bold]Starting the embedded qerl service[/] on {url} (data in {data_dir})")
+    proc = _start_server(data_dir, port)
+    try:
+        _wait_ready(url, proc)
+        client = Client(base_url=url)
+        qerl_ext = dict(DEMO_SPEC)
+        if steps:
+            qerl_ext["steps"] = steps
+        model = qerl_ext.pop("model", "smollm2-135m-instruct")
+        job = client.create_job({"model": model, "seed": qerl_ext.pop("seed", 0), "suffix": "demo",
+                                 "method": {"type": "reinforcement",
+                                            "reinforcement": {"grader": qerl_ext.pop("grader")}},
+                                 "qerl": qerl_ext})
+        console.print(f"Submitted job [bold]{job['id']}[/] on {model}")
+        job = _follow(client, job)
+        if job["status"] != "succeeded":
+            err = job.get("error") or {}
+            console.print(f"[red]Job {job['status']}[/]: {err.get('code')}: {err.get('message')}")
+            return 1
+        metrics = client.metrics(job["id"])
+        console.print(_eval_table(metrics))
+        adapter_id = job["qerl"]["adapter_id"]
+        out = client.download_adapter(adapter_id, data_dir / "adapters" / adapter_id)
+        console.print(f"Adapter [bold]{adapter_id}[/] downloaded (sha256 verified) to {out}; "
+                      f"load it with peft.PeftModel.from_pretrained(base, '{out}')")
+        return 0
+    except QerlError as exc:
+        console.print(f"[red]{exc}[/]")
+        return 1
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _follow(client: Client, job: dict) -> dict:
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
+               TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("queued", total=None, info="")
+        seen = 0
+        while True:
+            job = client.job(job["id"])
+            q = job.get("qerl") or {}
+            prog = q.get("progress") or {}
+            metrics = client.metrics(job["id"])
+            for m in metrics[seen:]:
+                v = m["values"]
+                if "reward_mean" in v:
+                    progress.console.print(
+                        f"step {m['step']:>3}  reward {v['reward_mean']:.3f}  acc {v.get('accuracy', 0):.2f}  "
+                        f"sigma {v.get('aqn_sigma', 0):.1e}  {v.get('rollout_tokens_per_s', 0):.0f} tok/s  "
+                        f"{v.get('step_seconds', 0):.1f} s")
+            seen = len(metrics)
+            last = next((m["values"] for m in reversed(metrics) if "reward_mean" in m["values"]), {})
+            info = f"reward {last['reward_mean']:.3f}" if last else ""
+            progress.update(task, description=job["status"], total=prog.get("total_steps") or None,
+                            completed=prog.get("step", 0), info=info)
+            if job["status"] in ("succeeded", "failed", "cancelled"):
+                return job
+            time.sleep(2)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def demo(data_dir: Path = typer.Option(Path("var/demo"), help="where the demo keeps its database and files"),
+             steps: int = typer.Option(0, help="override the demo's number of steps (0: the demo's own)")) -> None:
+        """Run a real RL fine-tuning job end to end on the embedded service."""
+        raise typer.Exit(run_demo(data_dir, steps or None))
