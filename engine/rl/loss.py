@@ -74,10 +74,16 @@ def policy_loss(
     if logp.shape != old_logp.shape or logp.shape != mask.shape or advantages.shape != logp.shape[:1]:
         raise ValueError(f"shape mismatch: logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)}, "
                          f"mask {tuple(mask.shape)}, advantages {tuple(advantages.shape)}")
-    m = effective_mask(mask, spec, truncated)  # (B, T)
-    logp = logp.float()
-    old = old_logp.detach().float()
-    adv = advantages.detach().float()[:, None]  # (B, 1)
+    dt = torch.float64 if logp.dtype == torch.float64 else torch.float32  # fp32 at least
+    m = effective_mask(mask, spec, truncated).to(dt)  # (B, T)
+    valid = m > 0
+
+    def counted(x: Tensor) -> Tensor:  # padding may hold -inf/NaN; keep it out of exp and its gradient
+        return torch.where(valid, x.to(dt), torch.zeros((), dtype=dt, device=x.device))
+
+    logp = counted(logp)
+    old = counted(old_logp.detach())
+    adv = advantages.detach().to(dt)[:, None]  # (B, 1)
 
     ratio = torch.exp(logp - old)  # (B, T)
     clipped = ratio.clamp(1.0 - spec.eps_low, 1.0 + spec.eps_high)
@@ -86,16 +92,16 @@ def policy_loss(
 
     kl = None
     if ref_logp is not None:
-        d = (ref_logp.detach().float() - logp).clamp(-_KL_LOG_CLAMP, _KL_LOG_CLAMP)
+        d = (counted(ref_logp.detach()) - logp).clamp(-_KL_LOG_CLAMP, _KL_LOG_CLAMP)
         kl = torch.exp(d) - d - 1.0  # (B, T)
         if spec.kl_coef > 0:
             per_token = per_token + spec.kl_coef * kl
 
     w = capped = None
     if sampler_logp is not None and spec.tis_cap > 0:
-        raw = torch.exp(old - sampler_logp.detach().float())
+        raw = torch.exp(old - counted(sampler_logp.detach()))
         w = raw.clamp(max=spec.tis_cap)  # (B, T), detached: inputs are detached
-        capped = (raw > spec.tis_cap).float()
+        capped = (raw > spec.tis_cap).to(dt)
         per_token = per_token * w
 
     if denominator is None:
@@ -116,9 +122,9 @@ def _stats(loss: Tensor, pg: Tensor, ratio: Tensor, adv: Tensor, kl: Tensor | No
     """Token-mean diagnostics, gathered with one device sync."""
     with torch.no_grad():
         n = m.sum().clamp(min=1.0)
-        low = ((ratio < 1.0 - spec.eps_low) & (adv < 0)).float()
-        high = ((ratio > 1.0 + spec.eps_high) & (adv > 0)).float()
-        zero = torch.zeros((), device=m.device)
+        low = ((ratio < 1.0 - spec.eps_low) & (adv < 0)).to(m.dtype)
+        high = ((ratio > 1.0 + spec.eps_high) & (adv > 0)).to(m.dtype)
+        zero = torch.zeros((), device=m.device, dtype=m.dtype)
         values = {
             "loss": loss.detach(),
             "pg_loss": (pg.detach() * m).sum() / n,
@@ -130,7 +136,7 @@ def _stats(loss: Tensor, pg: Tensor, ratio: Tensor, adv: Tensor, kl: Tensor | No
             "tis_frac": (capped * m).sum() / n if capped is not None else zero,
             "tokens": m.sum(),
         }
-        flat = torch.stack([v.float().reshape(()) for v in values.values()]).tolist()
+        flat = torch.stack([v.to(m.dtype).reshape(()) for v in values.values()]).tolist()
     out = dict(zip(values, flat))
     out["clip_frac"] = out["clip_frac_low"] + out["clip_frac_high"]
     return out

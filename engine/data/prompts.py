@@ -1,0 +1,49 @@
+"""Chat prompts: a format instruction, an optional one-shot worked example, the question.
+
+Small instruct models rarely use <answer> tags from an instruction alone; one prior
+user/assistant turn that shows a short worked step and then the tagged answer makes the
+format (and so the reward) reachable for SmolLM2-135M. The worked step is the task's own
+expression when the entry has one ("6 * 7 = 42."), else a short generic line.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from engine.data.jsonl import message_text
+
+SYSTEM_PROMPT = "Solve the problem. Think briefly, then write only the final answer inside <answer> and </answer> tags."
+GENERIC_SHOT = {"question": "What is 7 * 8?", "answer": "56", "metadata": {"expression": "7 * 8"}}
+
+Message = dict[str, str]
+
+
+def worked_answer(entry: dict[str, Any]) -> str:
+    """The assistant turn of a one-shot example: a short worked step, then the tagged answer."""
+    answer = str(entry["answer"])
+    expression = (entry.get("metadata") or {}).get("expression")
+    step = f"{expression} = {answer}." if isinstance(expression, str) and expression else "Let me work it out briefly."
+    return f"{step}\n<answer>{answer}</answer>"
+
+
+def build_messages(question: str, *, system_prompt: str | None, shot: dict[str, Any] | None) -> list[Message]:
+    """[system] + [shot user, shot assistant] + [user question]; ``system_prompt`` "" drops the system turn."""
+    system = SYSTEM_PROMPT if system_prompt is None else system_prompt
+    messages: list[Message] = [{"role": "system", "content": system}] if system else []
+    if shot is not None:
+        messages += [{"role": "user", "content": str(shot["question"])},
+                     {"role": "assistant", "content": worked_answer(shot)}]
+    messages.append({"role": "user", "content": question})
+    return messages
+
+
+def row_messages(row: dict[str, Any], *, system_prompt: str | None, one_shot: bool) -> list[Message]:
+    """Messages for a JSONL row. A ``prompt`` row gets the format instruction (and the generic
+    one-shot turn); a ``messages`` row is the user's own conversation and is kept, except that
+    an explicit ``system_prompt`` is prepended when it has no system turn."""
+    if "prompt" in row:
+        return build_messages(row["prompt"], system_prompt=system_prompt, shot=GENERIC_SHOT if one_shot else None)
+    messages = [{"role": "system" if m["role"] == "developer" else m["role"], "content": message_text(m["content"])}
+                for m in row["messages"]]
+    if system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages

@@ -1,0 +1,66 @@
+"""The grader interface and config checks shared by every grader type."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+
+class Grader:
+    """Scores one sample: ``grader(sample_text, item) -> (score, parts)``.
+
+    ``parts`` maps each named (sub-)grader to its score, so a run can log the format reward
+    apart from the correctness reward. ``item_fields`` names the top-level item fields read."""
+
+    type: str = ""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.item_fields: set[str] = set()
+
+    def score(self, sample_text: str, item: Mapping[str, Any]) -> float:
+        raise NotImplementedError
+
+    def __call__(self, sample_text: str, item: Mapping[str, Any]) -> tuple[float, dict[str, float]]:
+        s = float(self.score(sample_text, item))
+        return s, {self.name: s}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+def check_fields(cfg: Any, path: str, *, required: tuple[str, ...] = (), optional: tuple[str, ...] = ()) -> None:
+    """Reject a config that is not an object, lacks a required field or has an unknown one."""
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path} must be an object with a \"type\"; got {type(cfg).__name__}")
+    allowed = ("type", "name", *required, *optional)
+    for key in cfg:
+        if key not in allowed:
+            raise ValueError(f"{path}.{key} is not a field of a {cfg.get('type')} grader; "
+                             f"allowed: {', '.join(allowed)}")
+    for key in required:
+        if key not in cfg:
+            raise ValueError(f"{path}.{key} is required for a {cfg.get('type')} grader")
+
+
+def get_str(cfg: dict, key: str, path: str, default: str | None = None, choices: tuple[str, ...] = ()) -> str:
+    value = cfg.get(key, default)
+    if not isinstance(value, str) or (not value and not choices):
+        raise ValueError(f"{path}.{key} must be a non-empty string; got {value!r}")
+    if choices and value not in choices:
+        raise ValueError(f"{path}.{key} must be one of {', '.join(choices)}; got {value!r}")
+    return value
+
+
+def get_number(cfg: dict, key: str, path: str, default: float | None = None) -> float | None:
+    value = cfg.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ValueError(f"{path}.{key} must be a number; got {value!r}")
+    return float(value)
+
+
+def grader_name(cfg: dict, path: str) -> str:
+    name = cfg.get("name", cfg.get("type"))
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{path}.name must be a non-empty string; got {name!r}")
+    return name

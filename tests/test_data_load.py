@@ -1,0 +1,164 @@
+"""Upload validation with line numbers, prompt building, reasoning-gym tasks and the eval split."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from engine.data import Example, load_examples, split_eval
+from engine.data.demo import DEMO_SPEC
+from engine.data.jsonl import validate_jsonl
+from engine.data.prompts import SYSTEM_PROMPT
+from engine.rewards import build_grader
+from engine.spec import DataSpec, TrainSpec
+from engine.types import TrainError
+
+PRODUCTS = {"source": "reasoning_gym", "task": "products", "size": 60,
+            "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}}
+
+
+def _jsonl(*rows) -> bytes:
+    return "\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows).encode() + b"\n"
+
+
+def test_valid_file_counts_rows():
+    data = _jsonl({"prompt": "2+2?", "answer": "4"}, "",
+                  {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]})
+    assert validate_jsonl(data) == (2, [])
+    assert validate_jsonl(b"\xef\xbb\xbf" + data) == (2, [])  # a byte-order mark is fine
+
+
+@pytest.mark.parametrize("line,needle", [
+    (b"\xff\xfe{}", "not valid UTF-8"),
+    (b'{"prompt": "x",}', "invalid JSON"),
+    (b"[1, 2]", "expected a JSON object, got an array"),
+    (b'"text"', "expected a JSON object, got a string"),
+    (b'{"answer": "4"}', "missing 'prompt' or 'messages'"),
+    (b'{"prompt": "", "answer": "4"}', "'prompt' must be a non-empty string"),
+    (b'{"prompt": "a", "messages": []}', "either 'prompt' or 'messages'"),
+    (b'{"messages": "hi"}', "'messages' must be a non-empty list"),
+    (b'{"messages": [{"role": "bot", "content": "x"}]}', "messages[0].role must be one of"),
+    (b'{"messages": [{"role": "user", "content": 5}]}', "messages[0].content must be a string"),
+    (b'{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}',
+     'the last message must have role "user"'),
+    (b'{"prompt": "x", "a": ' + b"[" * 40 + b"]" * 40 + b"}", "nesting deeper than 32"),
+    (b'{"prompt": "x", "a": ' + b"[" * 100000 + b"]" * 100000 + b"}", "nesting deeper than"),
+])
+def test_each_problem_is_reported_with_its_line_number(line, needle):
+    data = _jsonl({"prompt": "ok"}, {"prompt": "ok too"}) + line + b"\n" + _jsonl({"prompt": "fine"})
+    rows, errors = validate_jsonl(data)
+    assert rows == 3
+    assert len(errors) == 1 and errors[0].startswith("line 3: ") and needle in errors[0], errors
+
+
+def test_long_lines_empty_files_and_error_cap():
+    rows, errors = validate_jsonl(_jsonl({"prompt": "x" * 300}, {"prompt": "y"}), max_line_bytes=100)
+    assert rows == 1 and errors == ["line 1: longer than 100 bytes; shorten the row"]
+    assert validate_jsonl(b"")[1][0].startswith("the file is empty")
+    assert validate_jsonl(b"\n  \n")[1][0].startswith("the file is empty")
+    rows, errors = validate_jsonl(b"nope\n" * 30, max_errors=5)
+    assert rows == 0 and len(errors) == 6 and errors[4].startswith("line 5: ") and errors[5] == "... and 25 more invalid lines"
+
+
+def test_prompt_rows_get_format_instruction_and_one_shot(tmp_path):
+    path = tmp_path / "train.jsonl"
+    rows = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(10)]
+    rows.append({"messages": [{"role": "developer", "content": "Be terse."},
+                              {"role": "user", "content": [{"type": "text", "text": "Capital of "}, {"type": "text", "text": "France?"}]}],
+                 "answer": "Paris"})
+    path.write_bytes(_jsonl(*rows))
+    train, evals = load_examples(DataSpec(train_file=str(path), eval_size=2), seed=3)
+    assert len(train) == 9 and len(evals) == 2
+    by_answer = {ex.item["answer"]: ex for ex in train + evals}
+    plain = by_answer["4"]
+    assert plain.messages[0] == {"role": "system", "content": SYSTEM_PROMPT}
+    assert [m["role"] for m in plain.messages] == ["system", "user", "assistant", "user"]
+    assert "<answer>" in plain.messages[2]["content"] and plain.messages[-1]["content"] == "What is 2 + 2?"
+    assert plain.item == rows[2]  # the grader sees the whole row
+    assert plain.line == 3 and by_answer["Paris"].line == 11  # for "training line 3: ..." messages
+    chat = by_answer["Paris"]  # the user's own conversation is kept (developer -> system)
+    assert chat.messages == [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Capital of France?"}]
+    bare, _ = load_examples(DataSpec(train_file=str(path), eval_size=0, system_prompt="", one_shot=False), seed=3)
+    assert all(len(ex.messages) == 1 for ex in bare if "prompt" in ex.item)
+
+
+def test_bad_files_raise_train_errors_with_line_numbers(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(_jsonl({"prompt": "a"}, {"answer": 1}))
+    with pytest.raises(TrainError, match=r"data.train_file: line 2: missing 'prompt' or 'messages'") as err:
+        load_examples(DataSpec(train_file=str(path), eval_size=0), seed=0)
+    assert err.value.code == "invalid_dataset"
+    with pytest.raises(TrainError, match="cannot read"):
+        load_examples(DataSpec(train_file=str(tmp_path / "missing.jsonl")), seed=0)
+
+
+def test_validation_file_is_the_eval_set(tmp_path):
+    (tmp_path / "t.jsonl").write_bytes(_jsonl(*[{"prompt": f"t{i}"} for i in range(5)]))
+    (tmp_path / "v.jsonl").write_bytes(_jsonl(*[{"prompt": f"v{i}"} for i in range(8)]))
+    spec = DataSpec(train_file=str(tmp_path / "t.jsonl"), validation_file=str(tmp_path / "v.jsonl"), eval_size=3)
+    train, evals = load_examples(spec, seed=1)
+    assert sorted(ex.item["prompt"] for ex in train) == [f"t{i}" for i in range(5)]
+    assert len(evals) == 3 and all(ex.item["prompt"].startswith("v") for ex in evals)
+
+
+def test_reasoning_gym_is_deterministic_and_eval_is_disjoint():
+    seed = random.randrange(10**6)
+    spec = DataSpec(dataset=dict(PRODUCTS), eval_size=10)
+    train, evals = load_examples(spec, seed)
+    again, evals_again = load_examples(spec, seed)
+    assert [ex.messages for ex in train] == [ex.messages for ex in again]
+    assert [ex.item for ex in evals] == [ex.item for ex in evals_again]
+    other, _ = load_examples(spec, seed + 1)
+    assert [ex.item["question"] for ex in other] != [ex.item["question"] for ex in train]
+    questions = {ex.item["question"] for ex in train}
+    assert len(evals) == 10 and not questions & {ex.item["question"] for ex in evals}
+    assert len({ex.item["question"] for ex in evals}) == 10
+    assert len(train) + 10 <= 60
+    ex = train[0]
+    assert ex.item["task"] == "products" and {"question", "answer", "metadata"} <= set(ex.item)
+    assert ex.line is None
+    # one-shot: a worked step then the tagged answer, from a question outside the data
+    shot_user, shot_reply = ex.messages[1]["content"], ex.messages[2]["content"]
+    assert shot_user not in questions and " = " in shot_reply and shot_reply.endswith("</answer>")
+    grader = build_grader({"type": "reasoning_gym"})
+    assert grader(ex.messages[2]["content"], {"answer": shot_reply.split("<answer>")[1][:-9], "task": "products"})[0] == 1.0
+
+
+def test_fixed_dataset_seed_keeps_the_items_and_job_seed_moves_the_split():
+    spec = DataSpec(dataset={**PRODUCTS, "seed": 5}, eval_size=4)
+    (a, a_eval), (b, b_eval) = load_examples(spec, 0), load_examples(spec, 1)
+    questions = lambda exs: {ex.item["question"] for ex in exs}  # noqa: E731
+    assert questions(a) | questions(a_eval) == questions(b) | questions(b_eval)
+    assert questions(a_eval) != questions(b_eval)
+
+
+@pytest.mark.parametrize("dataset,needle", [
+    ({"source": "reasoning_gym", "task": "no_such_task"}, "not a reasoning-gym task"),
+    ({"source": "reasoning_gym", "task": "products", "config": {"bogus": 1}}, "data.dataset.config is not valid"),
+    ({"source": "reasoning_gym", "task": "products", "config": {"min_digits": 3, "max_digits": 1}}, "data.dataset.config is not valid"),
+    ({"source": "reasoning_gym", "task": "products", "config": {"size": 3}}, "set data.dataset.size instead"),
+    ({"source": "reasoning_gym", "task": "products", "colour": 3}, "data.dataset.colour is not a field"),
+])
+def test_bad_builtin_datasets_are_train_errors(dataset, needle):
+    with pytest.raises(TrainError, match=needle):
+        load_examples(DataSpec(dataset=dataset, eval_size=1), seed=0)
+
+
+def test_eval_size_that_leaves_no_training_data():
+    examples = [Example([{"role": "user", "content": q}], {}) for q in ("a", "b", "a")]
+    with pytest.raises(TrainError, match="data.eval_size=2 holds out all 2 distinct prompts"):
+        split_eval(examples, 2, seed=0)
+    train, evals = split_eval(examples, 1, seed=0)
+    assert len(evals) == 1 and all(t.messages != evals[0].messages for t in train)
+
+
+def test_demo_spec_is_a_valid_job_with_both_splits():
+    spec = TrainSpec.from_dict(DEMO_SPEC)
+    grader = build_grader(spec.grader)
+    train, evals = load_examples(spec.data, spec.seed)
+    assert len(evals) == 20 and len(train) >= 200
+    assert not {e.item["question"] for e in train} & {e.item["question"] for e in evals}
+    item = train[0].item
+    assert grader(f"{item['metadata']['expression']} = {item['answer']}.\n<answer>{item['answer']}</answer>", item) == (
+        pytest.approx(1.2), {"format": 1.0, "answer": 1.0})

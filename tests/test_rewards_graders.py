@@ -1,0 +1,240 @@
+"""Graders: OpenAI shapes, templates, math extraction, the safe multi expression, reasoning-gym."""
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+
+from engine.rewards import build_grader
+from engine.rewards.math_answer import extract_answer
+from engine.rewards.text import fuzzy_ratio
+
+S = "{{sample.output_text}}"
+
+
+def check(op, reference="{{item.answer}}"):
+    return build_grader({"type": "string_check", "name": "s", "input": S, "reference": reference, "operation": op})
+
+
+def test_string_check_operations():
+    item = {"answer": "Paris"}
+    assert check("eq")("Paris", item) == (1.0, {"s": 1.0})
+    assert check("eq")("paris", item)[0] == 0.0
+    assert check("ne")("Lyon", item)[0] == 1.0 and check("ne")("Paris", item)[0] == 0.0
+    assert check("like")("It is Paris.", item)[0] == 1.0 and check("like")("It is PARIS.", item)[0] == 0.0
+    assert check("ilike")("It is PARIS.", item)[0] == 1.0 and check("ilike")("Rome", item)[0] == 0.0
+
+
+def test_templates_read_nested_fields_and_lists():
+    item = {"meta": {"city": {"name": "Oslo"}}, "options": ["a", "Bergen"], "n": 42.0, "obj": {"k": [1, 2]}}
+    assert check("eq", "{{ item.meta.city.name }}")("Oslo", item)[0] == 1.0
+    assert check("eq", "{{item.options.1}}")("Bergen", item)[0] == 1.0
+    assert check("eq", "x={{item.n}}")("x=42", item)[0] == 1.0  # integral floats print as integers
+    assert check("eq", "{{item.obj}}")('{"k": [1, 2]}', item)[0] == 1.0  # objects print as JSON
+
+
+@pytest.mark.parametrize("template,needle", [
+    ("{{sample.text}}", "unknown template variable {{sample.text}}"),
+    ("{{item}}", "unknown template variable {{item}}"),
+    ("{{item.a b}}", "unknown template variable"),
+    ("{{item.answer", "unbalanced"),
+    (42, "must be a string template"),
+])
+def test_bad_templates_name_the_field(template, needle):
+    with pytest.raises(ValueError) as err:
+        check("eq", template)
+    assert "grader.reference" in str(err.value) and needle in str(err.value)
+
+
+def test_missing_item_field_names_it_at_scoring_time():
+    g = check("eq", "{{item.meta.answer}}")
+    with pytest.raises(ValueError, match=r"no field item\.meta\.answer .*grader\.reference"):
+        g("x", {"meta": {"other": 1}})
+
+
+def _lcs_dp(a: str, b: str) -> int:
+    prev = [0] * (len(b) + 1)
+    for ca in a:
+        cur = [0]
+        for j, cb in enumerate(b):
+            cur.append(prev[j] + 1 if ca == cb else max(prev[j + 1], cur[j]))
+        prev = cur
+    return prev[-1]
+
+
+def test_fuzzy_match_equals_dynamic_programming_reference():
+    rng = random.Random()
+    for _ in range(200):
+        a = "".join(rng.choice("abcde ") for _ in range(rng.randint(0, 80)))
+        b = "".join(rng.choice("abcde ") for _ in range(rng.randint(0, 80)))
+        want = 1.0 if not a and not b else 2 * _lcs_dp(a, b) / (len(a) + len(b))
+        assert fuzzy_ratio(a, b) == pytest.approx(want), (a, b)
+
+
+def test_text_similarity_grader():
+    g = build_grader({"type": "text_similarity", "name": "sim", "input": S, "reference": "{{item.ref}}",
+                      "evaluation_metric": "fuzzy_match", "pass_threshold": 0.8})
+    assert g("hello world", {"ref": "hello world"}) == (1.0, {"sim": 1.0})
+    score, _ = g("hello word", {"ref": "hello world"})
+    assert score == pytest.approx(2 * 10 / 21) and g.passed(score)
+    assert not g.passed(g("xyz", {"ref": "hello world"})[0])
+    with pytest.raises(ValueError, match="evaluation_metric must be one of fuzzy_match"):
+        build_grader({"type": "text_similarity", "input": S, "reference": "x", "evaluation_metric": "meteor"})
+    with pytest.raises(ValueError, match="pass_threshold must be in"):
+        build_grader({"type": "text_similarity", "input": S, "reference": "x", "evaluation_metric": "fuzzy_match",
+                      "pass_threshold": 2})
+
+
+@pytest.mark.parametrize("text,want", [
+    ("reasoning <answer> 12 </answer> then <answer>13</answer>", "13"),
+    ("step\n#### 1,234\n", "1,234"),
+    ("so \\boxed{\\frac{3}{4}} done", "\\frac{3}{4}"),
+    ("we get 3 apples and 17 pears", "17"),
+    ("no numbers here", None),
+])
+def test_math_extraction(text, want):
+    assert extract_answer(text) == want
+
+
+@pytest.mark.parametrize("sample,reference,want", [
+    ("<answer>1,000</answer>", "1000", 1.0),
+    ("<answer>1000.0</answer>", "1000", 1.0),
+    ("<answer>0.75</answer>", "3/4", 1.0),
+    ("\\boxed{\\dfrac{3}{4}}", "0.75", 1.0),
+    ("<answer>$42.</answer>", "42", 1.0),
+    ("<answer>x = -7</answer>", "-7", 1.0),
+    ("<answer>41</answer>", "42", 0.0),
+    ("the answer is 42", "Natalia sold 48/2 = 24 clips.\n#### 42", 1.0),  # GSM8K-style reference
+    ("<answer>x + 1</answer>", "x+1", 1.0),  # non-numeric: normalised text
+    ("<answer>x + 2</answer>", "x+1", 0.0),
+    ("", "5", 0.0),
+])
+def test_math_answer_grader(sample, reference, want):
+    g = build_grader({"type": "math_answer", "name": "answer", "reference": "{{item.answer}}"})
+    assert g(sample, {"answer": reference}) == (want, {"answer": want})
+
+
+def test_math_answer_tag_mode_ignores_untagged_numbers():
+    g = build_grader({"type": "math_answer", "reference": "{{item.answer}}", "extract": "answer_tag"})
+    assert g("it is 5", {"answer": "5"})[0] == 0.0 and g("<answer>5</answer>", {"answer": "5"})[0] == 1.0
+
+
+def test_format_grader():
+    tags = r"<think>.+</think>\s*<answer>.+</answer>"
+    full = build_grader({"type": "format", "name": "fmt", "pattern": tags, "weight": 0.5})
+    assert full("<think>a\nb</think>\n<answer>1</answer>", {}) == (0.5, {"fmt": 0.5})  # DOTALL
+    assert full("<think>a</think><answer>1</answer> trailing", {})[0] == 0.0  # fullmatch by default
+    search = build_grader({"type": "format", "pattern": r"<answer>\d+</answer>", "match": "search"})
+    assert search("x <answer>3</answer> y", {})[0] == 1.0 and search("<answer>z</answer>", {})[0] == 0.0
+    with pytest.raises(ValueError, match="grader.pattern is not a valid regular expression"):
+        build_grader({"type": "format", "pattern": "(unclosed"})
+
+
+MULTI = {
+    "type": "multi", "name": "reward",
+    "graders": {
+        "format": {"type": "format", "pattern": r"<answer>.+?</answer>", "match": "search"},
+        "answer": {"type": "math_answer", "reference": "{{item.answer}}", "extract": "answer_tag"},
+    },
+    "calculate_output": "0.2 * format + 2 * answer",
+}
+
+
+def test_multi_combines_named_parts():
+    g = build_grader(MULTI)
+    assert g("<answer>7</answer>", {"answer": "7"}) == (pytest.approx(2.2), {"format": 1.0, "answer": 1.0})
+    assert g("<answer>8</answer>", {"answer": "7"}) == (pytest.approx(0.2), {"format": 1.0, "answer": 0.0})
+    assert g("7", {"answer": "7"}) == (0.0, {"format": 0.0, "answer": 0.0})
+    assert g.item_fields == {"answer"}
+
+
+@pytest.mark.parametrize("expr,value", [
+    ("min(format, answer) + max(0.5, answer)", 0.5),
+    ("-(format - 3) / 2", 1.0),
+    ("format / answer", 0.0),  # x / 0 is 0
+    ("(format + answer) * 2 - +1", 1.0),
+])
+def test_multi_expression_arithmetic(expr, value):
+    g = build_grader({**MULTI, "calculate_output": expr})
+    assert g("<answer>8</answer>", {"answer": "7"})[0] == pytest.approx(value)  # format 1, answer 0
+
+
+@pytest.mark.parametrize("expr,needle", [
+    ("__import__('os').system('true')", "Call is not allowed"),
+    ("format.__class__", "Attribute is not allowed"),
+    ("format ** 2", "BinOp is not allowed"),
+    ("format if answer else 1", "IfExp is not allowed"),
+    ("format > 1", "Compare is not allowed"),
+    ("(lambda: 1)()", "Call is not allowed"),
+    ("'a' + format", "constant 'a' is not a number"),
+    ("True + format", "constant True is not a number"),
+    ("format + bogus", "unknown name 'bogus'; the graders are answer, format"),
+    ("max(*[format])", "not allowed"),
+    ("max(format, key=answer)", "Call is not allowed"),
+    ("format +", "not a valid expression"),
+    ("(" * 200 + "format" + ")" * 200, ""),  # deep but legal nesting parses fine
+])
+def test_multi_expression_is_safe(expr, needle):
+    cfg = {**MULTI, "calculate_output": expr}
+    if not needle:
+        assert build_grader(cfg)("<answer>1</answer>", {"answer": "1"})[0] == 1.0
+        return
+    with pytest.raises(ValueError) as err:
+        build_grader(cfg)
+    assert "grader.calculate_output" in str(err.value) and needle in str(err.value)
+
+
+def test_nested_multi_reports_nested_parts():
+    g = build_grader({"type": "multi", "graders": {"inner": MULTI, "fmt": MULTI["graders"]["format"]},
+                      "calculate_output": "inner + fmt"})
+    score, parts = g("<answer>7</answer>", {"answer": "7"})
+    assert score == pytest.approx(3.2)
+    assert parts == {"inner": pytest.approx(2.2), "inner.format": 1.0, "inner.answer": 1.0, "fmt": 1.0}
+
+
+@pytest.mark.parametrize("cfg,needle", [
+    ({"type": "score_model"}, "grader.type must be one of"),
+    ("string_check", "grader must be an object"),
+    ({"type": "string_check", "input": S, "reference": "x"}, "grader.operation is required"),
+    ({"type": "string_check", "input": S, "reference": "x", "operation": "regex"}, "grader.operation must be one of eq, ne, like, ilike"),
+    ({"type": "format", "pattern": "x", "colour": 1}, "grader.colour is not a field of a format grader"),
+    ({"type": "format", "pattern": "x", "weight": "1"}, "grader.weight must be a number"),
+    ({"type": "multi", "graders": {}, "calculate_output": "1"}, "grader.graders must be an object"),
+    ({"type": "multi", "graders": {"a-b": {"type": "format", "pattern": "x"}}, "calculate_output": "1"}, "must be an identifier"),
+    ({"type": "multi", "graders": {"a": {"type": "format"}}, "calculate_output": "a"}, "grader.graders.a.pattern is required"),
+    ({"type": "reasoning_gym", "task": "no_such_task"}, "grader.task: unknown reasoning-gym task 'no_such_task'"),
+])
+def test_build_grader_errors_name_the_field(cfg, needle):
+    with pytest.raises(ValueError) as err:
+        build_grader(cfg)
+    assert needle in str(err.value)
+
+
+def test_reasoning_gym_grader_uses_the_task_scorer():
+    import reasoning_gym
+
+    ds = reasoning_gym.create_dataset("products", size=5, seed=int(random.random() * 1e6), min_digits=1, max_digits=2)
+    g = build_grader({"type": "reasoning_gym", "name": "task"})
+    for entry in ds:
+        item = dict(entry, task="products")
+        assert g(f"work.\n<answer>{entry['answer']}</answer>", item) == (1.0, {"task": 1.0})
+        assert g(f"{entry['answer']}", item)[0] == 0.0  # no tags: no answer
+        wrong = str(int(entry["answer"]) + 1)
+        assert g(f"<answer>{wrong}</answer>", item)[0] == ds.score_answer(wrong, entry)
+        no_task = {k: v for k, v in item.items() if k != "task"}  # falls back to metadata.source_dataset
+        assert g(f"<answer>{entry['answer']}</answer>", no_task)[0] == 1.0
+    explicit = build_grader({"type": "reasoning_gym", "task": "products"})
+    assert explicit("<answer>6</answer>", {"answer": "6"})[0] == 1.0
+    with pytest.raises(ValueError, match="names no task"):
+        g("<answer>6</answer>", {"answer": "6"})
+    with pytest.raises(ValueError, match="no \"answer\" field"):
+        g("<answer>6</answer>", {"task": "products"})
+
+
+def test_rewards_and_upload_validation_do_not_import_torch():
+    code = ("import sys, engine.rewards, engine.data.jsonl, engine.data; "
+            "engine.rewards.build_grader({'type': 'string_check', 'input': 'a', 'reference': 'b', 'operation': 'eq'}); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
