@@ -1,0 +1,148 @@
+"""The API's data access: every query filters by the caller's project, and the routes write
+only through here (job state changes such as cancel go through ``service.queue``)."""
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Select, and_, func, or_, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from service.models import Adapter, Checkpoint, File, Job, JobEvent, JobMetric, utcnow
+from service.views import ACTIVE
+
+MAX_LIMIT = 10_000
+
+
+def page(session: Session, stmt: Select[Any], limit: int) -> tuple[list[Any], bool]:
+    """Fetch ``limit`` rows plus one to learn whether there are more."""
+    rows = list(session.scalars(stmt.limit(limit + 1)))
+    return rows[:limit], len(rows) > limit
+
+
+def newest_first_after(stmt: Select[Any], model: Any, cursor: Any | None) -> Select[Any]:
+    """Order by (created_at, id) descending, starting below ``cursor`` (an object of ``model``)."""
+    if cursor is not None:
+        stmt = stmt.where(or_(model.created_at < cursor.created_at,
+                              and_(model.created_at == cursor.created_at, model.id < cursor.id)))
+    return stmt.order_by(model.created_at.desc(), model.id.desc())
+
+
+# ---- files ----------------------------------------------------------------------------------
+def get_file(session: Session, project: str, file_id: str, *, for_update: bool = False) -> File | None:
+    stmt = select(File).where(File.id == file_id, File.project == project, File.deleted_at.is_(None))
+    return session.scalar(stmt.with_for_update() if for_update else stmt)
+
+
+def list_files(session: Session, project: str, *, after: str | None, limit: int, purpose: str | None,
+               order: str) -> tuple[list[File], bool]:
+    stmt = select(File).where(File.project == project, File.deleted_at.is_(None))
+    if purpose:
+        stmt = stmt.where(File.purpose == purpose)
+    cursor = get_file(session, project, after) if after else None
+    if order == "asc":
+        if cursor is not None:
+            stmt = stmt.where(or_(File.created_at > cursor.created_at,
+                                  and_(File.created_at == cursor.created_at, File.id > cursor.id)))
+        stmt = stmt.order_by(File.created_at.asc(), File.id.asc())
+    else:
+        stmt = newest_first_after(stmt, File, cursor)
+    return page(session, stmt, limit)
+
+
+def add_file(session: Session, file: File) -> File:
+    session.add(file)
+    session.flush()
+    return file
+
+
+def active_jobs_using(session: Session, project: str, file_id: str) -> list[str]:
+    stmt = select(Job.id).where(Job.project == project, Job.status.in_(ACTIVE),
+                                or_(Job.training_file == file_id, Job.validation_file == file_id))
+    return list(session.scalars(stmt))
+
+
+def mark_file_deleted(session: Session, file: File) -> None:
+    file.deleted_at = utcnow()
+
+
+# ---- jobs -----------------------------------------------------------------------------------
+def get_job(session: Session, project: str, job_id: str, *, for_update: bool = False) -> Job | None:
+    stmt = select(Job).where(Job.id == job_id, Job.project == project)
+    return session.scalar(stmt.with_for_update() if for_update else stmt)
+
+
+def job_by_idempotency_key(session: Session, project: str, key: str) -> Job | None:
+    return session.scalar(select(Job).where(Job.project == project, Job.idempotency_key == key))
+
+
+def insert_job(session: Session, job: Job, first_event: str) -> Job | None:
+    """Insert and commit; None when the (project, Idempotency-Key) pair already exists."""
+    session.add(job)
+    try:
+        session.flush()
+        session.add(JobEvent(job_id=job.id, attempt=0, level="info", type="message", message=first_event))
+        session.commit()
+    except IntegrityError:
+        session.rollback()
+        if job.idempotency_key is None:
+            raise
+        return None
+    return job
+
+
+def list_jobs(session: Session, project: str, *, after: str | None, limit: int,
+              status: str | None) -> tuple[list[Job], bool]:
+    stmt = select(Job).where(Job.project == project)
+    if status:
+        stmt = stmt.where(Job.status == status)
+    cursor = get_job(session, project, after) if after else None
+    return page(session, newest_first_after(stmt, Job, cursor), limit)
+
+
+def count_jobs_by_status(session: Session) -> dict[str, int]:
+    return dict(session.execute(select(Job.status, func.count()).group_by(Job.status)).all())
+
+
+# ---- events, metrics, checkpoints -----------------------------------------------------------
+def list_events_desc(session: Session, job_id: str, *, before: int | None, limit: int) -> tuple[list[JobEvent], bool]:
+    stmt = select(JobEvent).where(JobEvent.job_id == job_id)
+    if before is not None:
+        stmt = stmt.where(JobEvent.id < before)
+    return page(session, stmt.order_by(JobEvent.id.desc()), limit)
+
+
+def events_since(session: Session, job_id: str, after: int, limit: int = 500) -> list[JobEvent]:
+    stmt = select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.id > after).order_by(JobEvent.id.asc())
+    return list(session.scalars(stmt.limit(limit)))
+
+
+def latest_metrics(session: Session, job_id: str, *, after_step: int | None, limit: int) -> tuple[list[JobMetric], bool]:
+    """One row per step: the one from the latest attempt (a resumed job may re-run steps)."""
+    best = (select(JobMetric.step, func.max(JobMetric.attempt).label("attempt"))
+            .where(JobMetric.job_id == job_id).group_by(JobMetric.step).subquery())
+    stmt = (select(JobMetric).join(best, and_(JobMetric.step == best.c.step, JobMetric.attempt == best.c.attempt))
+            .where(JobMetric.job_id == job_id))
+    if after_step is not None:
+        stmt = stmt.where(JobMetric.step > after_step)
+    return page(session, stmt.order_by(JobMetric.step.asc()), limit)
+
+
+def list_checkpoints(session: Session, job_id: str, *, after: str | None, limit: int) -> tuple[list[Checkpoint], bool]:
+    stmt = select(Checkpoint).where(Checkpoint.job_id == job_id)
+    cursor = session.get(Checkpoint, after) if after else None
+    if cursor is not None and cursor.job_id == job_id:
+        stmt = stmt.where(or_(Checkpoint.step < cursor.step,
+                              and_(Checkpoint.step == cursor.step, Checkpoint.id < cursor.id)))
+    return page(session, stmt.order_by(Checkpoint.step.desc(), Checkpoint.id.desc()), limit)
+
+
+# ---- adapters -------------------------------------------------------------------------------
+def get_adapter(session: Session, project: str, adapter_id: str) -> Adapter | None:
+    return session.scalar(select(Adapter).where(Adapter.id == adapter_id, Adapter.project == project))
+
+
+def list_adapters(session: Session, project: str, *, after: str | None, limit: int) -> tuple[list[Adapter], bool]:
+    cursor = get_adapter(session, project, after) if after else None
+    stmt = newest_first_after(select(Adapter).where(Adapter.project == project), Adapter, cursor)
+    return page(session, stmt, limit)

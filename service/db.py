@@ -1,0 +1,76 @@
+"""Engine and sessions for Postgres (psycopg 3) or SQLite, and Alembic run from code.
+
+SQLite: WAL (readers never block the writer), a busy timeout, foreign keys on, and every
+transaction opened with ``BEGIN IMMEDIATE`` so that two writers queue on the lock instead of one
+failing with ``database is locked`` when it upgrades a read snapshot that went stale.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event, make_url, text
+from sqlalchemy.orm import Session, sessionmaker
+
+MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+
+def make_engine(url: str, **kwargs: Any) -> Engine:
+    """An engine with the per-backend settings above; ``kwargs`` go to ``create_engine``."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database and parsed.database != ":memory:":
+            Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"check_same_thread": False,
+                                                  "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}, **kwargs)
+        _configure_sqlite(engine)
+        return engine
+    connect_args = {"connect_timeout": 5} if parsed.get_backend_name() == "postgresql" else {}
+    return create_engine(url, pool_pre_ping=True, connect_args=connect_args, **kwargs)
+
+
+def _configure_sqlite(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None  # we emit BEGIN ourselves (below)
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
+    return sessionmaker(bind=engine, expire_on_commit=False)
+
+
+def ping(engine: Engine) -> None:
+    """Raise when the database cannot answer ``SELECT 1``."""
+    with engine.connect() as conn:
+        conn.execute(text("SELECT 1"))
+
+
+def alembic_config(url: str) -> Any:
+    """Alembic's Config built in code, so migrations run from an installed package too."""
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg
+
+
+def upgrade_head(url: str) -> None:
+    """``alembic upgrade head`` against ``url`` (the app and the tests never call create_all)."""
+    from alembic import command
+
+    make_url(url)  # fail early on a malformed URL
+    if url.startswith("sqlite"):
+        make_engine(url).dispose()  # creates the parent directory
+    command.upgrade(alembic_config(url), "head")

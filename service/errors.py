@@ -1,0 +1,113 @@
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+Status codes (documented in the README's API section):
+- 400 the request cannot be read: malformed JSON, not multipart, an upload that is not JSONL;
+- 401 missing, unknown or revoked API key;  404 no such object in this key's project;
+- 409 the object's state forbids it (cancel a finished job, delete a file a live job uses);
+- 413 upload larger than MAX_UPLOAD_BYTES;
+- 422 readable but wrong: a field's type or value, an unknown field or model, a file id that is
+  not in this project, an Idempotency-Key reused with another body;
+- 429 per-key rate limit (with Retry-After);  503 database or broker unreachable.
+Every message names the field and says how to fix it. Client errors carry ``x-should-retry:
+false`` so the openai SDK does not retry a 409 that will never succeed.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+               405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
+               422: "invalid_request_error", 429: "requests", 500: "server_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+        self.headers = headers or {}
+
+
+def not_found(kind: str, object_id: str, param: str | None = None) -> APIError:
+    return APIError(404, f"No {kind} found with id {object_id!r}.", code="not_found", param=param)
+
+
+def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, code: str | None = None, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    headers = dict(headers or {})
+    if 400 <= status < 500 and status not in (408, 429):
+        headers.setdefault("x-should-retry", "false")
+    return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
+
+
+def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
+    """('body', 'method', 'reinforcement', 'grader') -> 'method.reinforcement.grader'; union-member
+    tags pydantic adds (``literal['auto']``, ``int``) are dropped."""
+    parts = [str(p) for p in loc[1:] if re.fullmatch(r"[A-Za-z_][\w-]*|\d+", str(p))]
+    if parts and parts[-1] in ("int", "float", "str", "bool", "literal", "none"):
+        parts = parts[:-1]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
+    return out or None
+
+
+def _validation_response(exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    first = errors[0] if errors else {"type": "value_error", "loc": (), "msg": "invalid request"}
+    if first.get("type") == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "")
+        return error_response(400, f"The request body is not valid JSON ({detail}). Send a JSON object with "
+                                   "Content-Type: application/json.", code="invalid_json")
+    param = _loc_to_param(tuple(first.get("loc", ())))
+    if param is None and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
+        return error_response(400, "The request body must be a JSON object sent with Content-Type: "
+                                   "application/json.", code="invalid_json")
+    if first.get("type") == "missing":
+        msg = f"Missing required parameter: {param!r}."
+    elif first.get("type") == "extra_forbidden":
+        msg = f"Unrecognized request argument supplied: {param!r}. Remove it (or put qerl options under 'qerl')."
+    else:
+        got = json.dumps(first.get("input"), default=str)[:200]
+        msg = f"Invalid value for {param!r}: {first.get('msg', 'invalid')} (got {got})."
+    if len(errors) > 1:
+        msg += f" ({len(errors) - 1} more error(s) in this request.)"
+    return error_response(422, msg, code="invalid_value" if first.get("type") != "missing" else "missing_required",
+                          param=param)
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_req: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.code, exc.param, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_req: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
+        msg = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        if exc.status_code == 404 and msg == "Not Found":
+            msg = "Unknown URL. See GET /docs for the endpoints this service serves."
+        return error_response(exc.status_code, msg, code=None, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unhandled(_req: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", exc_info=exc)
+        return error_response(500, "The server had an error while processing your request.", code="server_error")

@@ -1,0 +1,157 @@
+"""A job request body -> an engine ``TrainSpec`` dict, validated before anything is queued.
+
+Mapping (OpenAI name -> TrainSpec): ``model`` -> model (registry names only, never a path);
+``training_file``/``validation_file`` -> data.train_file/validation_file (paths relative to the
+artifact store; the worker's runner makes them absolute); ``qerl.dataset`` -> data.dataset;
+``method.reinforcement.grader`` -> grader; hyperparameters: ``batch_size`` -> prompts_per_step,
+``learning_rate_multiplier`` -> optim.lr = 1e-5 x m, ``n_epochs`` -> steps = ceil(epochs x rows /
+batch) x rl.mu, ``eval_interval`` -> eval_interval, ``eval_samples`` -> data.eval_size,
+``compute_multiplier`` -> rollout.num_generations = round(4 x m). ``qerl`` takes TrainSpec's own
+fields, plus the shortcuts ``algorithm`` (rl.algorithm) and ``dataset`` (data.dataset).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import re
+import secrets
+from typing import Any, Callable
+
+from engine import registry
+from engine.rewards import build_grader
+from engine.spec import TrainSpec
+from service.errors import APIError
+from service.models import File
+from service.schemas import JobCreate
+from service.views import DEFAULT_LR
+
+RECORDS = ("data", "lora", "aqn", "rollout", "rl", "optim")  # TrainSpec's sub-records
+TOP_LEVEL_OWNED = {"model": "model", "grader": "method.reinforcement.grader", "seed": "seed"}
+_FIELD = re.compile(r"^(?:unknown field )?([A-Za-z_][\w.\[\]]*)")
+
+
+def _invalid(param: str, message: str, code: str = "invalid_value") -> APIError:
+    return APIError(422, message, code=code, param=param)
+
+
+def _param_of(message: str) -> str:
+    """The field a TrainSpec ValueError names, as a request param (``lora.r`` -> ``qerl.lora.r``)."""
+    match = _FIELD.match(message)
+    name = match.group(1).rstrip(".") if match else ""
+    root = name.split(".")[0].split("[")[0]
+    if root in TOP_LEVEL_OWNED:
+        return TOP_LEVEL_OWNED[root]
+    if root == "data" and name.startswith("data.dataset"):
+        return "qerl.dataset"
+    return f"qerl.{name}" if name else "qerl"
+
+
+def _positive(value: Any, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
+
+
+def _hyper(body: JobCreate, d: dict[str, Any], qerl: dict[str, Any], rows: int | None) -> None:
+    method_h = body.method.reinforcement.hyperparameters if body.method and body.method.reinforcement else None
+    h = method_h or body.hyperparameters
+    if h is None:
+        return
+    p = "method.reinforcement.hyperparameters" if method_h else "hyperparameters"
+    if h.reasoning_effort not in (None, "default"):
+        raise _invalid(f"{p}.reasoning_effort", f"{p}.reasoning_effort applies to reasoning models served by "
+                                                "OpenAI; remove it or use 'default'")
+    for name, value, lo in [("batch_size", h.batch_size, 1), ("n_epochs", h.n_epochs, 1),
+                            ("eval_interval", h.eval_interval, 0), ("eval_samples", h.eval_samples, 0)]:
+        if isinstance(value, int) and value < lo:
+            raise _invalid(f"{p}.{name}", f"{p}.{name} must be 'auto' or an integer >= {lo}; got {value}")
+    for name, value in [("learning_rate_multiplier", h.learning_rate_multiplier),
+                        ("compute_multiplier", h.compute_multiplier)]:
+        if isinstance(value, float) and not (0 < value <= 1000):
+            raise _invalid(f"{p}.{name}", f"{p}.{name} must be 'auto' or a number in (0, 1000]; got {value}")
+    if isinstance(h.batch_size, int):
+        d["prompts_per_step"] = h.batch_size
+    if isinstance(h.learning_rate_multiplier, float):
+        d.setdefault("optim", {})["lr"] = DEFAULT_LR * h.learning_rate_multiplier
+    if isinstance(h.eval_interval, int):
+        d["eval_interval"] = h.eval_interval
+    if isinstance(h.eval_samples, int):
+        d.setdefault("data", {})["eval_size"] = h.eval_samples
+    if isinstance(h.compute_multiplier, float):
+        d.setdefault("rollout", {})["num_generations"] = max(2, round(4 * h.compute_multiplier))
+    if isinstance(h.n_epochs, int):
+        if "steps" in qerl:
+            raise _invalid(f"{p}.n_epochs", f"give either {p}.n_epochs or qerl.steps, not both")
+        # wrong types in these inputs are left for TrainSpec to reject with its own message
+        dataset = d["data"].get("dataset")
+        size = rows if rows is not None else _positive(dataset.get("size") if isinstance(dataset, dict) else None, 200)
+        batch = _positive(d.get("prompts_per_step"), TrainSpec.prompts_per_step)
+        d["steps"] = math.ceil(h.n_epochs * size / batch) * _positive(d.get("rl", {}).get("mu"), 1)
+
+
+def build_spec(body: JobCreate, lookup_file: Callable[[str], File | None]) -> tuple[str, dict[str, Any]]:
+    """(canonical model name, TrainSpec dict) or APIError 422 naming the param and the fix."""
+    try:
+        entry = registry.resolve(body.model)
+    except ValueError as exc:
+        raise _invalid("model", str(exc), code="model_not_found") from None
+    if body.method is not None and body.method.type != "reinforcement":
+        raise _invalid("method.type", f"this service trains with reinforcement learning only; set method.type to "
+                                      f"'reinforcement' (got {body.method.type!r})")
+    if body.integrations:
+        raise _invalid("integrations", "integrations are not supported; remove 'integrations'")
+    qerl = copy.deepcopy(body.qerl or {})
+    for key, use in TOP_LEVEL_OWNED.items():
+        if key in qerl:
+            raise _invalid(f"qerl.{key}", f"qerl.{key} is not accepted; set '{use}' instead")
+    d: dict[str, Any] = {k: v for k, v in qerl.items() if k not in ("algorithm", "dataset")}
+    for key in RECORDS:
+        if not isinstance(d.get(key, {}), dict):
+            raise _invalid(f"qerl.{key}", f"qerl.{key} must be an object, e.g. {{\"{key}\": {{...}}}}")
+    data = d.setdefault("data", {})
+    for forbidden, use in (("train_file", "training_file"), ("validation_file", "validation_file")):
+        if forbidden in data:
+            raise _invalid(f"qerl.data.{forbidden}", f"qerl.data.{forbidden} is not accepted; upload the file "
+                                                     f"(POST /v1/files) and pass its id as '{use}'")
+    if "algorithm" in qerl:
+        d.setdefault("rl", {})
+        if not isinstance(d["rl"], dict) or "algorithm" in d["rl"]:
+            raise _invalid("qerl.algorithm", "give the algorithm once: qerl.algorithm or qerl.rl.algorithm")
+        d["rl"]["algorithm"] = qerl["algorithm"]
+    if "dataset" in qerl:
+        data["dataset"] = qerl["dataset"]
+    if (body.training_file is None) == ("dataset" not in data):
+        raise _invalid("training_file", "give exactly one of training_file (an uploaded JSONL file id) or "
+                                        "qerl.dataset (a built-in task, e.g. {\"source\": \"reasoning_gym\", "
+                                        "\"task\": \"products\"})", code="missing_required")
+    rows = None
+    for param, file_id in (("training_file", body.training_file), ("validation_file", body.validation_file)):
+        if file_id is None:
+            continue
+        f = lookup_file(file_id)
+        if f is None:
+            raise _invalid(param, f"{param}: no file {file_id!r} in this project; upload it with POST /v1/files "
+                                  "(purpose=fine-tune) and pass the returned id", code="file_not_found")
+        if f.purpose != "fine-tune":
+            raise _invalid(param, f"{param}: file {file_id!r} has purpose {f.purpose!r}; upload it with "
+                                  "purpose=fine-tune")
+        data["train_file" if param == "training_file" else "validation_file"] = f.path
+        rows = f.rows if param == "training_file" else rows
+    grader = body.method.reinforcement.grader if body.method and body.method.reinforcement else None
+    if grader is None and body.training_file is not None:
+        raise _invalid("method.reinforcement.grader", "a training_file needs a grader: set method = {\"type\": "
+                       "\"reinforcement\", \"reinforcement\": {\"grader\": {...}}} (e.g. a string_check grader)",
+                       code="missing_required")
+    if grader is not None:
+        try:
+            build_grader(grader)  # torch-free: the same checks the worker's grader makes
+        except ValueError as exc:
+            param = _FIELD.match(str(exc))
+            raise _invalid("method.reinforcement." + (param.group(1) if param else "grader"), str(exc)) from None
+        d["grader"] = grader
+    _hyper(body, d, qerl, rows)
+    d["model"] = entry.name
+    d["seed"] = body.seed if body.seed is not None else secrets.randbelow(2**31)
+    try:
+        spec = TrainSpec.from_dict(d)
+    except ValueError as exc:
+        raise _invalid(_param_of(str(exc)), str(exc)) from None
+    return entry.name, spec.to_dict()

@@ -1,0 +1,345 @@
+"""The job queue: Postgres (or SQLite) rows are the queue, a Celery message is only a wake-up.
+
+Why this shape (DESIGN.md): a lost, duplicated or late message must never lose, duplicate or
+corrupt a job. So a worker *claims* the row atomically (queued -> running, ``attempt + 1``),
+holds a lease it renews by heartbeat, and writes only while ``id, attempt`` still match a
+running/cancelling row (``attempt`` is the fencing token). A reaper returns jobs whose lease
+expired to ``queued`` (resume from the latest checkpoint) or fails them after
+``max_attempts``; a sweeper re-sends wake-ups nobody acted on.
+
+Every public function here is one transaction and commits it. Times are UTC from this host's
+clock (keep hosts NTP-synced; leases are tens of seconds).
+Torch-free, and Celery is imported only when a Celery sender is configured.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy.orm import Session
+
+from service.models import Checkpoint, Job, JobEvent, utcnow
+
+log = logging.getLogger(__name__)
+
+ACTIVE = ("running", "cancelling")  # a worker holds the lease
+TERMINAL = ("succeeded", "failed", "cancelled")
+TASK_NAME = "qerl.run_job"
+
+
+class LeaseLost(Exception):
+    """This worker no longer owns the job (reaped, cancelled and finished, or re-claimed)."""
+
+
+class JobConflict(RuntimeError):
+    """The job's state does not allow the request (the API answers 409)."""
+
+
+# -- wake-ups ---------------------------------------------------------------------------------
+_dispatch: Callable[[str], None] | None = None
+_senders: dict[tuple[str, str], "CelerySender"] = {}
+_sessions: dict[str, Callable[[], Session]] = {}
+
+
+def reset_after_fork() -> None:
+    """Drop connections inherited from a parent process (a Celery pool child calls this)."""
+    _senders.clear()
+    _sessions.clear()
+
+
+def set_dispatcher(fn: Callable[[str], None] | None) -> None:
+    """Route wake-ups to ``fn`` (the embedded worker's poke) instead of the configured broker."""
+    global _dispatch
+    _dispatch = fn
+
+
+class CelerySender:
+    """Sends the task by name, so the API never imports the worker (or torch)."""
+
+    def __init__(self, broker_url: str, queue: str) -> None:
+        from celery import Celery  # only processes that send messages pay for the import
+
+        self.queue = queue
+        self.app = Celery("qerl-sender", broker=broker_url, set_as_current=False)
+        self.app.conf.update(broker_connection_retry_on_startup=True,
+                             broker_transport_options={"socket_connect_timeout": 3, "socket_timeout": 5})
+
+    def __call__(self, job_id: str) -> None:
+        self.app.send_task(TASK_NAME, args=[job_id], queue=self.queue, ignore_result=True,
+                           retry=True, retry_policy={"max_retries": 2, "interval_start": 0.2,
+                                                     "interval_step": 0.5, "interval_max": 1})
+
+
+def _dispatcher() -> Callable[[str], None] | None:
+    if _dispatch is not None:
+        return _dispatch
+    from service.settings import get_settings
+
+    s = get_settings()
+    if s.redis_url is None:
+        return None  # embedded, but no worker thread in this process
+    key = (s.redis_url, s.celery_queue)
+    if key not in _senders:
+        _senders[key] = CelerySender(*key)
+    return _senders[key]
+
+
+def _own_session() -> Session:
+    from service.db import make_engine, make_sessionmaker
+    from service.settings import get_settings
+
+    url = str(get_settings().database_url)
+    if url not in _sessions:
+        _sessions[url] = make_sessionmaker(make_engine(url))
+    return _sessions[url]()
+
+
+def wake(job_id: str, session: Session | None = None, *, older_than: datetime | None = None) -> bool:
+    """Tell a worker to look at a queued job; call after the job row is committed.
+
+    Stamps ``wakeup_sent_at`` first (conditionally, so concurrent sweepers send once), then
+    sends. Returns True if a message went out. A send that fails raises; the stamp stays and
+    the sweeper re-sends after ``sweep_seconds``.
+    """
+    if session is None:
+        with _own_session() as own:
+            return wake(job_id, own, older_than=older_than)
+    cond = [Job.id == job_id, Job.status == "queued"]
+    if older_than is not None:
+        cond.append(or_(Job.wakeup_sent_at.is_(None), Job.wakeup_sent_at < older_than))
+    stamped = session.execute(update(Job).where(*cond).values(wakeup_sent_at=utcnow()).returning(Job.id)).first()
+    session.commit()
+    send = _dispatcher()
+    if stamped is None or send is None:
+        return False
+    send(job_id)
+    return True
+
+
+def _wake_quietly(session: Session, job_id: str, **kw: Any) -> bool:
+    try:
+        return wake(job_id, session, **kw)
+    except Exception:  # broker down: the next sweep re-sends
+        log.exception("could not send the wake-up for job %s", job_id)
+        return False
+
+
+# -- claiming and the lease -------------------------------------------------------------------
+def claim(session: Session, job_id: str, worker_id: str, *, lease_seconds: float = 60) -> Job | None:
+    """queued -> running for this worker, or None (already claimed, cancelled, finished: a
+    duplicate or late message is harmless)."""
+    locked = session.execute(select(Job.id).where(Job.id == job_id, Job.status == "queued")
+                             .with_for_update(skip_locked=True)).first()  # SQLite: no-op clause
+    if locked is None:
+        session.rollback()
+        return None
+    now = utcnow()
+    row = session.execute(
+        update(Job).where(Job.id == job_id, Job.status == "queued")
+        .values(status="running", attempt=Job.attempt + 1, lease_owner=worker_id,
+                lease_expires_at=now + timedelta(seconds=lease_seconds), heartbeat_at=now,
+                started_at=func.coalesce(Job.started_at, now))
+        .returning(Job.attempt, Job.resume_checkpoint_id)).first()
+    if row is None:  # SQLite: another thread won between the two statements
+        session.rollback()
+        return None
+    attempt, ckpt_id = row
+    ckpt = session.get(Checkpoint, ckpt_id) if ckpt_id else None
+    msg = (f"Resuming from checkpoint step {ckpt.step} (attempt {attempt})" if ckpt
+           else f"Job started (attempt {attempt})")
+    add_event(session, job_id, attempt, msg, data={"worker": worker_id})
+    session.commit()
+    return session.get(Job, job_id, populate_existing=True)
+
+
+def claim_next(session: Session, worker_id: str, *, lease_seconds: float = 60) -> Job | None:
+    """Claim the oldest queued job, skipping rows other workers are claiming right now."""
+    for _ in range(8):
+        jid = session.execute(select(Job.id).where(Job.status == "queued").order_by(Job.created_at)
+                              .limit(1).with_for_update(skip_locked=True)).scalar()
+        session.rollback()
+        if jid is None:
+            return None
+        job = claim(session, jid, worker_id, lease_seconds=lease_seconds)
+        if job is not None:
+            return job
+    return None
+
+
+def heartbeat(session: Session, job_id: str, attempt: int, worker_id: str, *, lease_seconds: float = 60) -> bool:
+    """Extend the lease iff this worker still owns this attempt; return cancel_requested.
+    Raises LeaseLost otherwise."""
+    now = utcnow()
+    row = session.execute(
+        update(Job).where(_owned(job_id, attempt), Job.lease_owner == worker_id)
+        .values(lease_expires_at=now + timedelta(seconds=lease_seconds), heartbeat_at=now)
+        .returning(Job.cancel_requested)).first()
+    session.commit()
+    if row is None:
+        raise LeaseLost(f"job {job_id} attempt {attempt} is no longer held by {worker_id}")
+    return bool(row[0])
+
+
+def _owned(job_id: str, attempt: int):
+    return and_(Job.id == job_id, Job.attempt == attempt, Job.status.in_(ACTIVE))
+
+
+def fence(session: Session, job_id: str, attempt: int) -> str:
+    """Start a worker write: lock the job row iff this attempt still owns it (a no-op UPDATE,
+    so a reaper waits for our commit) and return its status; raise LeaseLost otherwise."""
+    row = session.execute(update(Job).where(_owned(job_id, attempt)).values(attempt=Job.attempt)
+                          .returning(Job.status)).first()
+    if row is None:
+        session.rollback()
+        raise LeaseLost(f"job {job_id} attempt {attempt} no longer owns the job")
+    return row[0]
+
+
+def add_event(session: Session, job_id: str, attempt: int, message: str, *, level: str = "info",
+              type: str = "message", data: dict[str, Any] | None = None) -> None:
+    """Append an event in the caller's transaction (worker writes call fence() first)."""
+    session.add(JobEvent(job_id=job_id, attempt=attempt, level=level, type=type, message=message,
+                         data=data, created_at=utcnow()))
+
+
+def latest_checkpoint(session: Session, job_id: str) -> Checkpoint | None:
+    return session.execute(select(Checkpoint).where(Checkpoint.job_id == job_id)
+                           .order_by(Checkpoint.step.desc(), Checkpoint.created_at.desc()).limit(1)).scalar()
+
+
+# -- outcomes ---------------------------------------------------------------------------------
+def finish(session: Session, job_id: str, attempt: int, status: str, *, error_code: str | None = None,
+           error_message: str | None = None, adapter: Any = None) -> str:
+    """End the job (fenced). ``adapter`` (an Adapter row) goes in with ``succeeded``.
+
+    A job whose cancel arrived after the last heartbeat ends ``cancelled`` even if the run
+    completed (the user was told it is cancelling); the status written is returned.
+    """
+    if status not in TERMINAL:
+        raise ValueError(f"finish status must be one of {', '.join(TERMINAL)}; got {status!r}")
+    current = fence(session, job_id, attempt)
+    if current == "cancelling":
+        status = "cancelled"
+    values: dict[str, Any] = dict(status=status, finished_at=utcnow(), lease_owner=None, lease_expires_at=None)
+    if status == "succeeded":
+        if adapter is None:
+            raise ValueError("finish(succeeded) needs the Adapter row")
+        session.add(adapter)
+        session.flush()  # assigns the id
+        values.update(adapter_id=adapter.id, fine_tuned_model=adapter.name)
+        msg, level = "The job has successfully completed", "info"
+    elif status == "failed":
+        values.update(error_code=error_code or "internal_error", error_message=error_message or "")
+        msg, level = f"The job failed: {error_message}", "error"
+    else:
+        msg, level = "The job was cancelled", "info"
+    session.execute(update(Job).where(Job.id == job_id).values(**values))
+    add_event(session, job_id, attempt, msg, level=level,
+              data={"error_code": values.get("error_code")} if status == "failed" else None)
+    session.commit()
+    return status
+
+
+def requeue(session: Session, job_id: str, attempt: int, reason: str) -> bool:
+    """A worker hands its job back (warm shutdown): queued again, resuming from the latest
+    checkpoint. It does not use up an attempt (max_attempts + 1). False if it was cancelling
+    (then it is cancelled instead)."""
+    if fence(session, job_id, attempt) == "cancelling":
+        session.rollback()
+        finish(session, job_id, attempt, "cancelled")
+        return False
+    ckpt = latest_checkpoint(session, job_id)
+    session.execute(update(Job).where(Job.id == job_id).values(
+        status="queued", lease_owner=None, lease_expires_at=None, max_attempts=Job.max_attempts + 1,
+        resume_checkpoint_id=ckpt.id if ckpt else None, step=ckpt.step if ckpt else 0))
+    add_event(session, job_id, attempt, f"{reason}; job requeued, will resume {_from(ckpt)}", level="warn")
+    session.commit()
+    _wake_quietly(session, job_id)
+    return True
+
+
+def _from(ckpt: Checkpoint | None) -> str:
+    return f"from checkpoint step {ckpt.step}" if ckpt else "from step 0 (no checkpoint yet)"
+
+
+def cancel(session: Session, job: Job) -> Job:
+    """API cancel: queued -> cancelled now; running -> cancelling (the engine stops within a
+    step and the runner marks it cancelled); cancelling stays; terminal -> JobConflict.
+    Flushes; the caller commits."""
+    for _ in range(4):  # each branch is a conditional UPDATE, so a racing claim/finish is seen
+        row = session.execute(update(Job).where(Job.id == job.id, Job.status.in_(("queued", "validating_files")))
+                              .values(status="cancelled", finished_at=utcnow(), cancel_requested=True)
+                              .returning(Job.attempt)).first()
+        if row is not None:
+            add_event(session, job.id, row[0], "The job was cancelled")
+            break
+        row = session.execute(update(Job).where(Job.id == job.id, Job.status == "running")
+                              .values(status="cancelling", cancel_requested=True).returning(Job.attempt)).first()
+        if row is not None:
+            add_event(session, job.id, row[0], "Cancellation requested; the job stops after the current step")
+            break
+        status = session.execute(select(Job.status).where(Job.id == job.id)).scalar()
+        if status == "cancelling":
+            break
+        if status in TERMINAL:
+            raise JobConflict(f"Job {job.id} has already {_past(status)}; only queued or running jobs can be cancelled")
+    session.flush()
+    session.refresh(job)
+    return job
+
+
+def _past(status: str) -> str:
+    return {"succeeded": "succeeded", "failed": "failed", "cancelled": "been cancelled"}[status]
+
+
+# -- recovery ---------------------------------------------------------------------------------
+def reap(session: Session) -> list[str]:
+    """Jobs whose lease expired: back to queued (resume from the latest checkpoint), failed
+    ``worker_lost`` after max_attempts, or cancelled if they were cancelling. Idempotent and
+    safe to run in every worker at once. Returns the requeued ids (already woken)."""
+    now = utcnow()
+    rows = session.execute(select(Job.id, Job.status, Job.attempt, Job.max_attempts)
+                           .where(Job.status.in_(ACTIVE), Job.lease_expires_at < now)
+                           .with_for_update(skip_locked=True)).all()
+    requeued = []
+    for job_id, status, attempt, max_attempts in rows:
+        fence_ = and_(_owned(job_id, attempt), Job.lease_expires_at < now)
+        ckpt = latest_checkpoint(session, job_id)
+        cleared = dict(lease_owner=None, lease_expires_at=None)
+        if status == "cancelling":
+            values, level = dict(status="cancelled", finished_at=now, **cleared), "info"
+            msg = "Worker lost while cancelling; the job was cancelled"
+        elif attempt >= max_attempts:
+            msg = (f"Worker lost on attempt {attempt} of {max_attempts}; giving up "
+                   f"(last checkpoint step {ckpt.step if ckpt else 0})")
+            values, level = dict(status="failed", finished_at=now, error_code="worker_lost", error_message=msg,
+                                 **cleared), "error"
+        else:
+            msg = f"Worker lost; resuming {_from(ckpt)} (attempt {attempt + 1})"
+            values, level = dict(status="queued", resume_checkpoint_id=ckpt.id if ckpt else None,
+                                 step=ckpt.step if ckpt else 0, **cleared), "warn"
+        if session.execute(update(Job).where(fence_).values(**values).returning(Job.id)).first() is None:
+            continue
+        add_event(session, job_id, attempt, msg, level=level)
+        if values["status"] == "queued":
+            requeued.append(job_id)
+        log.warning("job %s: %s", job_id, msg)
+    session.commit()
+    for job_id in requeued:
+        _wake_quietly(session, job_id)
+    return requeued
+
+
+def sweep(session: Session, *, older_than_s: float = 60, limit: int = 100) -> list[str]:
+    """Re-send wake-ups for queued jobs nobody claimed within ``older_than_s`` (lost message,
+    or a message stuck behind a busy worker). Returns the ids woken."""
+    cutoff = utcnow() - timedelta(seconds=older_than_s)
+    ids = session.execute(select(Job.id).where(
+        Job.status == "queued",
+        or_(Job.wakeup_sent_at < cutoff, and_(Job.wakeup_sent_at.is_(None), Job.created_at < cutoff)))
+        .order_by(Job.created_at).limit(limit)).scalars().all()
+    session.rollback()
+    return [jid for jid in ids if _wake_quietly(session, jid, older_than=cutoff)]

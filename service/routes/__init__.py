@@ -1,0 +1,10 @@
+"""HTTP routes, one module per resource; ``api_router`` mounts them under /v1."""
+from fastapi import APIRouter
+
+from service.routes import adapters, events, files, health, jobs, models
+
+api_router = APIRouter(prefix="/v1")
+for module in (files, jobs, events, adapters, models):
+    api_router.include_router(module.router)
+
+__all__ = ["api_router", "health"]

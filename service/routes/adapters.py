@@ -1,0 +1,57 @@
+"""/v1/adapters: trained LoRA adapters; content is the PEFT directory as tar.gz."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.responses import FileResponse
+
+from service import crud
+from service.auth import CurrentKey
+from service.deps import SessionDep, StoreDep
+from service.errors import APIError, not_found
+from service.schemas import Adapter, ListPage
+from service.views import adapter_view
+
+router = APIRouter(prefix="/adapters", tags=["adapters"])
+
+
+@router.get("", response_model=ListPage[Adapter])
+def list_adapters(key: CurrentKey, session: SessionDep, after: str | None = None,
+                  limit: int = Query(20, ge=1, le=crud.MAX_LIMIT)) -> ListPage[Adapter]:
+    rows, more = crud.list_adapters(session, key.project, after=after, limit=limit)
+    data = [adapter_view(a) for a in rows]
+    return ListPage(data=data, has_more=more, first_id=data[0].id if data else None,
+                    last_id=data[-1].id if data else None)
+
+
+@router.get("/{adapter_id}", response_model=Adapter)
+def get_adapter(adapter_id: str, key: CurrentKey, session: SessionDep) -> Adapter:
+    a = crud.get_adapter(session, key.project, adapter_id)
+    if a is None:
+        raise not_found("adapter", adapter_id, "adapter_id")
+    return adapter_view(a)
+
+
+def _etag_matches(header: str | None, etag: str) -> bool:
+    if not header:
+        return False
+    tags = [t.strip().removeprefix("W/") for t in header.split(",")]
+    return "*" in tags or etag in tags
+
+
+@router.get("/{adapter_id}/content", response_class=FileResponse,
+            responses={200: {"content": {"application/gzip": {}}}, 304: {"description": "ETag matched"}})
+def adapter_content(adapter_id: str, request: Request, key: CurrentKey, session: SessionDep,
+                    store: StoreDep) -> Response:
+    a = crud.get_adapter(session, key.project, adapter_id)
+    if a is None:
+        raise not_found("adapter", adapter_id, "adapter_id")
+    etag = f'"{a.sha256}"'
+    headers = {"ETag": etag, "X-Checksum-Sha256": a.sha256, "Cache-Control": "private, max-age=0"}
+    if _etag_matches(request.headers.get("if-none-match"), etag):
+        return Response(status_code=304, headers=headers)
+    path = store.abspath(a.path)
+    if not path.is_file():
+        raise APIError(503, f"The archive of adapter {adapter_id} is missing from the artifact store; check "
+                            "that ARTIFACT_DIR is the same on the API and the workers.", code="artifact_missing")
+    safe = a.name.replace(":", "_").replace("/", "_") or a.id
+    return FileResponse(path, media_type="application/gzip", filename=f"{safe}.tar.gz", headers=headers)

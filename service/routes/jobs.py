@@ -1,0 +1,107 @@
+"""/v1/fine_tuning/jobs: create (Idempotency-Key honoured), list, retrieve, cancel."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Query
+from sqlalchemy.orm import Session
+
+from service import crud
+from service.auth import CurrentKey
+from service.deps import SessionDep, SettingsDep
+from service.errors import APIError, not_found
+from service.jobspec import build_spec
+from service.models import Job, new_id
+from service.schemas import FineTuningJob, JobCreate, ListPage
+from service.views import ACTIVE, TERMINAL, job_view
+
+log = logging.getLogger(__name__)
+router = APIRouter(prefix="/fine_tuning/jobs", tags=["fine-tuning"])
+STATUSES = (*ACTIVE, *TERMINAL)
+
+
+def request_hash(body: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _replay(job: Job, digest: str) -> FineTuningJob:
+    """The job an earlier request with the same Idempotency-Key created, if the body matches."""
+    if job.request_hash != digest:
+        raise APIError(422, "This Idempotency-Key was already used with a different request body (job "
+                            f"{job.id}). Send the same body to get that job back, or use a new key.",
+                       code="idempotency_key_reused", param="Idempotency-Key")
+    return job_view(job)
+
+
+def wake(session: Session, job_id: str) -> None:
+    """Tell a worker; a failure is logged only (the job is committed and the sweeper re-sends)."""
+    try:
+        from service import queue
+
+        queue.wake(job_id, session=session)
+    except Exception:
+        log.exception("could not send the wake-up for job %s; the sweeper will retry", job_id)
+
+
+@router.post("", response_model=FineTuningJob)
+def create_job(body: JobCreate, key: CurrentKey, session: SessionDep, settings: SettingsDep,
+               idempotency_key: Annotated[str | None, Header(max_length=255)] = None) -> FineTuningJob:
+    raw = body.model_dump(mode="json", exclude_unset=True)
+    digest = request_hash(raw)
+    if idempotency_key is not None:
+        earlier = crud.job_by_idempotency_key(session, key.project, idempotency_key)
+        if earlier is not None:
+            return _replay(earlier, digest)
+    model, spec = build_spec(body, lambda fid: crud.get_file(session, key.project, fid, for_update=True))
+    job = Job(id=new_id("ftjob"), project=key.project, model=model, status="queued", request=raw, spec=spec,
+              training_file=body.training_file, validation_file=body.validation_file, seed=spec["seed"],
+              suffix=body.suffix, user_metadata=body.metadata, idempotency_key=idempotency_key,
+              request_hash=digest, max_attempts=settings.max_attempts, total_steps=spec["steps"])
+    if crud.insert_job(session, job, f"Created fine-tuning job: {job.id}") is None:
+        earlier = crud.job_by_idempotency_key(session, key.project, idempotency_key or "")
+        if earlier is None:  # pragma: no cover - the winner's row must be visible after its commit
+            raise APIError(409, "A concurrent request with this Idempotency-Key is in progress; retry.",
+                           code="idempotency_conflict")
+        return _replay(earlier, digest)
+    view = job_view(job)
+    wake(session, job.id)
+    return view
+
+
+@router.get("", response_model=ListPage[FineTuningJob])
+def list_jobs(key: CurrentKey, session: SessionDep, after: str | None = None,
+              limit: int = Query(20, ge=1, le=crud.MAX_LIMIT), status: str | None = None) -> ListPage[FineTuningJob]:
+    if status is not None and status not in STATUSES:
+        raise APIError(422, f"Invalid value for 'status': {status!r}; use one of {', '.join(STATUSES)}.",
+                       code="invalid_value", param="status")
+    rows, more = crud.list_jobs(session, key.project, after=after, limit=limit, status=status)
+    data = [job_view(j) for j in rows]
+    return ListPage(data=data, has_more=more, first_id=data[0].id if data else None,
+                    last_id=data[-1].id if data else None)
+
+
+@router.get("/{job_id}", response_model=FineTuningJob)
+def get_job(job_id: str, key: CurrentKey, session: SessionDep) -> FineTuningJob:
+    job = crud.get_job(session, key.project, job_id)
+    if job is None:
+        raise not_found("fine-tuning job", job_id, "fine_tuning_job_id")
+    return job_view(job)
+
+
+@router.post("/{job_id}/cancel", response_model=FineTuningJob)
+def cancel_job(job_id: str, key: CurrentKey, session: SessionDep) -> FineTuningJob:
+    from service import queue
+
+    job = crud.get_job(session, key.project, job_id)
+    if job is None:
+        raise not_found("fine-tuning job", job_id, "fine_tuning_job_id")
+    try:
+        job = queue.cancel(session, job)
+    except queue.JobConflict as exc:
+        session.rollback()
+        raise APIError(409, str(exc), code="job_not_cancellable", param="fine_tuning_job_id") from None
+    session.commit()
+    return job_view(job)

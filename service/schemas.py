@@ -1,0 +1,173 @@
+"""Request and response bodies in OpenAI's fine-tuning shapes (what the ``openai`` SDK parses),
+with qerl's additions under a ``qerl`` key. Responses are built from ORM rows by ``service.views``."""
+from __future__ import annotations
+
+from typing import Annotated, Any, Generic, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+T = TypeVar("T")
+Auto = Literal["auto"]
+MetadataKey = Annotated[str, StringConstraints(max_length=64)]  # OpenAI's limits
+MetadataValue = Annotated[str, StringConstraints(max_length=512)]
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ReinforcementHyperparameters(_In):
+    batch_size: Auto | int | None = Field(default=None, description="prompts per step (qerl.prompts_per_step)")
+    learning_rate_multiplier: Auto | float | None = None
+    n_epochs: Auto | int | None = None
+    eval_interval: Auto | int | None = None
+    eval_samples: Auto | int | None = None
+    compute_multiplier: Auto | float | None = None
+    reasoning_effort: Literal["default", "low", "medium", "high"] | None = None
+
+
+class ReinforcementIn(_In):
+    grader: dict[str, Any]
+    hyperparameters: ReinforcementHyperparameters | None = None
+
+
+class MethodIn(_In):
+    type: Literal["supervised", "dpo", "reinforcement"]
+    reinforcement: ReinforcementIn | None = None
+    supervised: dict[str, Any] | None = None
+    dpo: dict[str, Any] | None = None
+
+
+class JobCreate(_In):
+    model: str = Field(min_length=1, max_length=255)
+    training_file: str | None = None
+    validation_file: str | None = None
+    seed: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    suffix: str | None = Field(default=None, max_length=64)
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(default=None, max_length=16)
+    method: MethodIn | None = None
+    hyperparameters: ReinforcementHyperparameters | None = None  # deprecated by OpenAI; method wins
+    integrations: list[dict[str, Any]] | None = None
+    qerl: dict[str, Any] | None = None  # TrainSpec fields; see service.jobspec
+
+
+# ---- responses ------------------------------------------------------------------------------
+class ListPage(BaseModel, Generic[T]):
+    object: Literal["list"] = "list"
+    data: list[T]
+    has_more: bool = False
+    first_id: str | None = None
+    last_id: str | None = None
+
+
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: str
+    expires_at: int | None = None
+    status_details: str | None = None
+    qerl: dict[str, Any] = Field(default_factory=dict)  # rows, sha256
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool = True
+
+
+class JobError(BaseModel):
+    code: str
+    message: str
+    param: str | None = None
+
+
+class JobProgress(BaseModel):
+    step: int
+    total_steps: int
+
+
+class JobQerl(BaseModel):
+    quantization: str
+    progress: JobProgress
+    attempt: int
+    max_attempts: int
+    cancel_requested: bool
+    adapter_id: str | None
+    started_at: int | None
+    dataset: dict[str, Any] | None
+    spec: dict[str, Any]
+
+
+class FineTuningJob(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job"] = "fine_tuning.job"
+    created_at: int
+    error: JobError | None
+    fine_tuned_model: str | None
+    finished_at: int | None
+    hyperparameters: dict[str, Any]
+    model: str
+    organization_id: str
+    result_files: list[str]
+    seed: int
+    status: str
+    trained_tokens: int | None
+    training_file: str | None
+    validation_file: str | None
+    estimated_finish: int | None = None
+    integrations: list[dict[str, Any]] = Field(default_factory=list)
+    metadata: dict[str, str] | None = None
+    method: dict[str, Any]
+    user_provided_suffix: str | None = None
+    qerl: JobQerl
+
+
+class FineTuningJobEvent(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job.event"] = "fine_tuning.job.event"
+    created_at: int
+    level: str
+    message: str
+    type: str
+    data: dict[str, Any] | None = None
+
+
+class FineTuningJobCheckpoint(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job.checkpoint"] = "fine_tuning.job.checkpoint"
+    created_at: int
+    fine_tuned_model_checkpoint: str
+    fine_tuning_job_id: str
+    metrics: dict[str, Any]
+    step_number: int
+
+
+class StepMetrics(BaseModel):
+    step: int
+    attempt: int
+    created_at: int
+    values: dict[str, Any]
+
+
+class Adapter(BaseModel):
+    id: str
+    object: Literal["adapter"] = "adapter"
+    created_at: int
+    name: str
+    base_model: str
+    job_id: str
+    bytes: int
+    sha256: str
+    manifest: dict[str, Any]
+
+
+class Model(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    qerl: dict[str, Any] = Field(default_factory=dict)  # kind: base | adapter, adapter_id, base_model

@@ -1,0 +1,111 @@
+"""Artifact store on the local disk (a shared mount when workers run on other hosts).
+
+Everything is written under ``tmp/`` first and renamed into place, so a reader never sees half a
+file and a failed or oversized upload leaves nothing behind. The sha256 is computed while
+streaming. Paths stored in the database are relative to the store's root.
+
+Layout: ``files/<file-id>.jsonl`` (written here); ``jobs/<job-id>/`` (a job's workdir) and
+``adapters/<adapter-id>.tar.gz`` (written by the worker, ``worker.artifacts``).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+CHUNK = 1024 * 1024
+
+
+class TooLarge(Exception):
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"larger than {limit} bytes")
+        self.limit = limit
+
+
+@dataclass
+class Blob:
+    path: str  # relative to the store root
+    bytes: int
+    sha256: str
+
+
+@dataclass
+class Staged:
+    """Bytes written to a temporary name, not yet visible."""
+
+    store: "ArtifactStore"
+    tmp: Path
+    bytes: int
+    sha256: str
+
+    def publish(self, rel: str) -> Blob:
+        dest = self.store.abspath(rel)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(self.tmp, dest)
+        return Blob(rel, self.bytes, self.sha256)
+
+    def discard(self) -> None:
+        self.tmp.unlink(missing_ok=True)
+
+
+def iter_chunks(fh: BinaryIO, size: int = CHUNK) -> Iterator[bytes]:
+    while chunk := fh.read(size):
+        yield chunk
+
+
+class ArtifactStore:
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root).expanduser().resolve()
+        self.tmp_dir = self.root / "tmp"
+
+    def ensure(self) -> None:
+        for sub in ("tmp", "files", "jobs", "adapters"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+
+    def abspath(self, rel: str) -> Path:
+        path = (self.root / rel).resolve()
+        if self.root not in path.parents:
+            raise ValueError(f"artifact path {rel!r} leaves the artifact directory")
+        return path
+
+    def _tmp_path(self) -> Path:
+        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        return self.tmp_dir / f"{int(time.time())}-{secrets.token_hex(8)}.part"
+
+    def stage(self, chunks: Iterable[bytes], *, max_bytes: int | None = None) -> Staged:
+        """Write ``chunks`` to a temporary file, hashing; TooLarge (and no file) past ``max_bytes``."""
+        tmp = self._tmp_path()
+        digest, total = hashlib.sha256(), 0
+        try:
+            with open(tmp, "wb") as fh:
+                for chunk in chunks:
+                    total += len(chunk)
+                    if max_bytes is not None and total > max_bytes:
+                        raise TooLarge(max_bytes)
+                    digest.update(chunk)
+                    fh.write(chunk)
+                fh.flush()
+                os.fsync(fh.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return Staged(self, tmp, total, digest.hexdigest())
+
+    def delete(self, rel: str) -> None:
+        self.abspath(rel).unlink(missing_ok=True)
+
+    def sweep_tmp(self, older_than_s: float = 3600.0) -> int:
+        """Remove temporary files left by a crash; returns how many."""
+        if not self.tmp_dir.exists():
+            return 0
+        cutoff, removed = time.time() - older_than_s, 0
+        for path in self.tmp_dir.iterdir():
+            if path.is_file() and path.stat().st_mtime < cutoff:
+                path.unlink(missing_ok=True)
+                removed += 1
+        return removed

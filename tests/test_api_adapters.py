@@ -1,0 +1,71 @@
+"""Adapters and models: a finished job's adapter (written the way the worker writes it) is
+listed, downloadable as tar.gz with its sha256 as checksum and ETag (If-None-Match -> 304), and
+shows up in /v1/models as an ``ft:`` model next to the registry's base models."""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import tarfile
+from pathlib import Path
+
+from service import queue
+from service.models import Adapter, new_id
+from service.views import fine_tuned_model_name
+from tests.conftest import jsonl, training_rows
+from tests.test_api_files import assert_error, upload
+from tests.test_api_jobs import MODEL, body
+from worker.artifacts import pack_adapter
+
+
+def finish_job_with_adapter(db_sessions, settings, job_id: str, tmp_path: Path) -> Adapter:
+    src = tmp_path / "adapter"
+    src.mkdir()
+    (src / "adapter_config.json").write_text(json.dumps({"r": 8, "base_model_name_or_path": MODEL}))
+    (src / "adapter_model.safetensors").write_bytes(bytes(range(256)) * 4)
+    (src / "qerl_manifest.json").write_text(json.dumps({"steps": 2}))
+    with db_sessions() as s:
+        job = queue.claim(s, job_id, "test-worker", lease_seconds=60)
+        adapter_id = new_id("adapter")
+        blob = pack_adapter(src, settings.artifact_dir, adapter_id)  # the worker's packer
+        adapter = Adapter(id=adapter_id, project=job.project, job_id=job_id, name=fine_tuned_model_name(job),
+                          base_model=MODEL, path=blob.path, bytes=blob.bytes, sha256=blob.sha256,
+                          manifest=blob.manifest)
+        assert queue.finish(s, job_id, job.attempt, "succeeded", adapter=adapter) == "succeeded"
+    return adapter
+
+
+def test_adapter_listing_download_etag_and_models(client, key_a, key_b, db_sessions, api_settings, tmp_path):
+    fid = upload(client, key_a, jsonl(training_rows(2))).json()["id"]
+    job_id = client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=body(fid, suffix="adder")).json()["id"]
+    adapter = finish_job_with_adapter(db_sessions, api_settings, job_id, tmp_path)
+
+    job = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=key_a.headers).json()
+    assert job["status"] == "succeeded" and job["qerl"]["adapter_id"] == adapter.id
+    assert job["fine_tuned_model"] == adapter.name and adapter.name.startswith(f"ft:{MODEL}:")
+    listed = client.get("/v1/adapters", headers=key_a.headers).json()
+    assert [a["id"] for a in listed["data"]] == [adapter.id]
+    got = client.get(f"/v1/adapters/{adapter.id}", headers=key_a.headers).json()
+    assert got["object"] == "adapter" and got["job_id"] == job_id and got["sha256"] == adapter.sha256
+
+    resp = client.get(f"/v1/adapters/{adapter.id}/content", headers=key_a.headers)
+    assert resp.status_code == 200 and resp.headers["content-type"] == "application/gzip"
+    assert hashlib.sha256(resp.content).hexdigest() == adapter.sha256 == resp.headers["x-checksum-sha256"]
+    assert resp.headers["etag"] == f'"{adapter.sha256}"' and len(resp.content) == adapter.bytes
+    with tarfile.open(fileobj=io.BytesIO(resp.content)) as tar:
+        assert sorted(tar.getnames()) == ["adapter_config.json", "adapter_model.safetensors", "qerl_manifest.json"]
+        assert tar.extractfile("adapter_model.safetensors").read() == bytes(range(256)) * 4
+    cached = client.get(f"/v1/adapters/{adapter.id}/content",
+                        headers={**key_a.headers, "If-None-Match": resp.headers["etag"]})
+    assert cached.status_code == 304 and cached.content == b""
+    stale = client.get(f"/v1/adapters/{adapter.id}/content", headers={**key_a.headers, "If-None-Match": '"other"'})
+    assert stale.status_code == 200
+
+    models = {m["id"]: m for m in client.get("/v1/models", headers=key_a.headers).json()["data"]}
+    assert models[MODEL]["qerl"]["kind"] == "base"
+    assert models[adapter.name]["qerl"] == {"kind": "adapter", "adapter_id": adapter.id, "base_model": MODEL,
+                                            "job_id": job_id}
+    assert client.get(f"/v1/models/{adapter.name}", headers=key_a.headers).json()["id"] == adapter.name
+    assert adapter.name not in {m["id"] for m in client.get("/v1/models", headers=key_b.headers).json()["data"]}
+    for path in (f"/v1/adapters/{adapter.id}", f"/v1/adapters/{adapter.id}/content", f"/v1/models/{adapter.name}"):
+        assert_error(client.get(path, headers=key_b.headers), 404)

@@ -1,0 +1,224 @@
+"""/v1/fine_tuning/jobs against Postgres and SQLite: create (request -> TrainSpec), every bad
+input answering the right status in OpenAI's shape with no row left, list/retrieve/cancel,
+Idempotency-Key (sequential and 20 concurrent requests), metrics and checkpoints."""
+from __future__ import annotations
+
+import concurrent.futures
+import secrets
+
+import httpx
+import pytest
+from sqlalchemy import func, select
+
+from engine.spec import TrainSpec
+from service import queue
+from service.models import Checkpoint, Job, JobMetric
+from tests.conftest import STRING_CHECK, jsonl, training_rows
+from tests.test_api_files import assert_error, upload
+
+MODEL = "smollm2-135m-instruct"
+RG = {"source": "reasoning_gym", "task": "products", "size": 40}
+
+
+def body(file_id: str, **over) -> dict:
+    return {"model": MODEL, "training_file": file_id,
+            "method": {"type": "reinforcement", "reinforcement": {"grader": STRING_CHECK}}, **over}
+
+
+@pytest.fixture
+def file_id(client, key_a) -> str:
+    return upload(client, key_a, jsonl(training_rows(10))).json()["id"]
+
+
+def job_count(db_sessions, project: str) -> int:
+    with db_sessions() as s:
+        return s.scalar(select(func.count()).select_from(Job).where(Job.project == project))
+
+
+def test_create_maps_the_request_to_a_train_spec(client, key_a, file_id, db_sessions):
+    req = body(file_id, seed=7, suffix="adder", metadata={"team": "math"},
+               method={"type": "reinforcement", "reinforcement": {"grader": STRING_CHECK, "hyperparameters": {
+                   "n_epochs": 2, "batch_size": 4, "learning_rate_multiplier": 2.0, "compute_multiplier": 2}}},
+               qerl={"quantization": "nf4", "algorithm": "grpo", "lora": {"r": 8}, "aqn": {"enabled": False}})
+    resp = client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=req)
+    assert resp.status_code == 200, resp.text
+    job = resp.json()
+    assert job["object"] == "fine_tuning.job" and job["id"].startswith("ftjob-")
+    assert job["status"] == "queued" and job["model"] == MODEL and job["seed"] == 7
+    assert job["training_file"] == file_id and job["validation_file"] is None
+    assert job["user_provided_suffix"] == "adder" and job["metadata"] == {"team": "math"}
+    assert job["organization_id"] == key_a.project and job["error"] is None and job["finished_at"] is None
+    assert job["method"]["type"] == "reinforcement" and job["method"]["reinforcement"]["grader"] == STRING_CHECK
+    assert job["hyperparameters"]["batch_size"] == 4 and job["hyperparameters"]["learning_rate_multiplier"] == 2.0
+    spec = TrainSpec.from_dict(job["qerl"]["spec"])  # what the worker will run, valid as stored
+    assert spec.quantization == "nf4" and spec.rl.algorithm == "grpo" and spec.lora.r == 8
+    assert spec.aqn.enabled is False and spec.prompts_per_step == 4 and spec.rollout.num_generations == 8
+    assert spec.optim.lr == pytest.approx(2e-5) and spec.steps == 5  # ceil(2 epochs * 10 rows / 4)
+    assert spec.data.train_file == f"files/{file_id}.jsonl" and spec.data.dataset is None
+    assert job["qerl"]["progress"] == {"step": 0, "total_steps": 5} and job["qerl"]["attempt"] == 0
+    with db_sessions() as s:
+        row = s.get(Job, job["id"])
+        assert row.project == key_a.project and row.request["seed"] == 7 and row.spec == job["qerl"]["spec"]
+        assert row.wakeup_sent_at is not None  # queue.wake ran after the commit
+
+
+def test_create_with_a_builtin_dataset(client, key_a):
+    resp = client.post("/v1/fine_tuning/jobs", headers=key_a.headers,
+                       json={"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "qerl": {"dataset": RG, "steps": 3}})
+    assert resp.status_code == 200, resp.text
+    job = resp.json()
+    assert job["model"] == MODEL and job["training_file"] is None and job["qerl"]["dataset"] == RG
+    assert job["qerl"]["spec"]["grader"]["type"] == "reasoning_gym" and job["qerl"]["spec"]["steps"] == 3
+    assert 0 <= job["seed"] < 2**31
+
+
+BAD = [  # (request body or raw bytes, status, param)
+    (b'{"model": "smollm2-135m-instruct", ', 400, None),
+    (b'["a list"]', 400, None),
+    ({"model": 12, "qerl": {"dataset": RG}}, 422, "model"),
+    ({"model": MODEL, "qerl": {"dataset": RG}, "seed": "7"}, 422, "seed"),
+    ({"model": MODEL, "qerl": {"dataset": RG}, "surprise": 1}, 422, "surprise"),
+    ({"qerl": {"dataset": RG}}, 422, "model"),
+    ({"model": "gpt-4o", "qerl": {"dataset": RG}}, 422, "model"),
+    ({"model": "/etc/passwd", "qerl": {"dataset": RG}}, 422, "model"),
+    ({"model": MODEL}, 422, "training_file"),
+    ({"model": MODEL, "training_file": "file-missing", "method": {"type": "reinforcement", "reinforcement":
+                                                                  {"grader": STRING_CHECK}}}, 422, "training_file"),
+    ({"model": MODEL, "qerl": {"dataset": RG}, "method": {"type": "supervised"}}, 422, "method.type"),
+    ({"model": MODEL, "qerl": {"dataset": RG, "lora": {"r": 0}}}, 422, "qerl.lora.r"),
+    ({"model": MODEL, "qerl": {"dataset": RG, "quantization": "int3"}}, 422, "qerl.quantization"),
+    ({"model": MODEL, "qerl": {"dataset": RG, "bogus": 1}}, 422, "qerl.bogus"),
+    ({"model": MODEL, "qerl": {"dataset": RG, "optim": 3}, "method": {"type": "reinforcement", "reinforcement": {
+        "grader": STRING_CHECK, "hyperparameters": {"learning_rate_multiplier": 2.0}}}}, 422, "qerl.optim"),
+    ({"model": MODEL, "qerl": {"dataset": RG, "model": "/models/any"}}, 422, "qerl.model"),
+    ({"model": MODEL, "qerl": {"dataset": RG, "grader": {"type": "python"}}}, 422, "qerl.grader"),
+    ({"model": MODEL, "qerl": {"dataset": RG, "data": {"train_file": "/etc/passwd"}}}, 422, "qerl.data.train_file"),
+    ({"model": MODEL, "qerl": {"dataset": {"source": "hub", "task": "x"}}}, 422, "qerl.dataset"),
+    ({"model": MODEL, "qerl": {"dataset": RG}, "method": {"type": "reinforcement", "reinforcement": {
+        "grader": {**STRING_CHECK, "operation": "approx"}}}}, 422, "method.reinforcement.grader.operation"),
+    ({"model": MODEL, "qerl": {"dataset": RG}, "method": {"type": "reinforcement", "reinforcement": {
+        "grader": {"type": "python", "source": "def grade(s, i): return 1"}}}}, 422, "method.reinforcement.grader.type"),
+    ({"model": MODEL, "qerl": {"dataset": RG}, "method": {"type": "reinforcement", "reinforcement": {
+        "grader": STRING_CHECK, "hyperparameters": {"batch_size": "big"}}}}, 422,
+     "method.reinforcement.hyperparameters.batch_size"),
+    ({"model": MODEL, "qerl": {"dataset": RG}, "suffix": "s" * 65}, 422, "suffix"),
+    ({"model": MODEL, "qerl": {"dataset": RG}, "metadata": {"k": "v" * 513}}, 422, "metadata.k"),
+]
+
+
+@pytest.mark.parametrize("req,status,param", BAD, ids=[f"{i}-{b[1]}-{b[2]}" for i, b in enumerate(BAD)])
+def test_bad_requests_answer_openai_errors_and_create_nothing(client, key_a, db_sessions, req, status, param):
+    if isinstance(req, bytes):
+        resp = client.post("/v1/fine_tuning/jobs", headers={**key_a.headers, "Content-Type": "application/json"},
+                           content=req)
+    else:
+        resp = client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=req)
+    err = assert_error(resp, status, param=param)
+    assert resp.headers["x-should-retry"] == "false"
+    if param:
+        assert param.split(".")[-1] in err["message"] or "model" in err["message"]
+    assert job_count(db_sessions, key_a.project) == 0
+
+
+def test_training_file_of_another_project_is_unknown(client, key_a, key_b, file_id, db_sessions):
+    err = assert_error(client.post("/v1/fine_tuning/jobs", headers=key_b.headers, json=body(file_id)), 422,
+                       param="training_file", code="file_not_found")
+    assert "POST /v1/files" in err["message"]
+    assert job_count(db_sessions, key_b.project) == 0
+
+
+def test_list_retrieve_cancel(client, key_a, file_id):
+    ids = [client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=body(file_id)).json()["id"]
+           for _ in range(3)]
+    listed = client.get("/v1/fine_tuning/jobs", headers=key_a.headers).json()
+    assert [j["id"] for j in listed["data"]] == ids[::-1] and listed["has_more"] is False
+    page = client.get("/v1/fine_tuning/jobs", headers=key_a.headers, params={"limit": 2}).json()
+    assert [j["id"] for j in page["data"]] == [ids[2], ids[1]] and page["has_more"] is True
+    rest = client.get("/v1/fine_tuning/jobs", headers=key_a.headers, params={"after": ids[1]}).json()
+    assert [j["id"] for j in rest["data"]] == [ids[0]]
+
+    cancelled = client.post(f"/v1/fine_tuning/jobs/{ids[0]}/cancel", headers=key_a.headers)
+    assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+    assert cancelled.json()["finished_at"] is not None
+    got = client.get(f"/v1/fine_tuning/jobs/{ids[0]}", headers=key_a.headers).json()
+    assert got["status"] == "cancelled"
+    assert [j["id"] for j in client.get("/v1/fine_tuning/jobs", headers=key_a.headers,
+                                        params={"status": "cancelled"}).json()["data"]] == [ids[0]]
+    assert_error(client.get("/v1/fine_tuning/jobs", headers=key_a.headers, params={"status": "done"}), 422,
+                 param="status")
+    err = assert_error(client.post(f"/v1/fine_tuning/jobs/{ids[0]}/cancel", headers=key_a.headers), 409,
+                       code="job_not_cancellable")
+    assert "cancelled" in err["message"]
+    assert_error(client.get("/v1/fine_tuning/jobs/ftjob-nope", headers=key_a.headers), 404)
+    assert_error(client.post("/v1/fine_tuning/jobs/ftjob-nope/cancel", headers=key_a.headers), 404)
+
+
+def test_cancel_of_a_running_job_asks_the_worker(client, key_a, file_id, db_sessions):
+    job_id = client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=body(file_id)).json()["id"]
+    with db_sessions() as s:
+        assert queue.claim(s, job_id, "test-worker", lease_seconds=60) is not None  # as a worker would
+        s.get(Job, job_id).step = 1  # one of ten steps done (total from the spec)
+        s.commit()
+    running = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=key_a.headers).json()
+    assert running["status"] == "running" and running["qerl"]["progress"]["step"] == 1
+    assert running["estimated_finish"] >= running["qerl"]["started_at"] >= running["created_at"]
+    resp = client.post(f"/v1/fine_tuning/jobs/{job_id}/cancel", headers=key_a.headers).json()
+    assert resp["status"] == "cancelling" and resp["qerl"]["cancel_requested"] is True
+    assert resp["qerl"]["attempt"] == 1 and resp["finished_at"] is None
+    again = client.post(f"/v1/fine_tuning/jobs/{job_id}/cancel", headers=key_a.headers)
+    assert again.status_code == 200 and again.json()["status"] == "cancelling"
+
+
+def test_idempotency_key(client, key_a, file_id, db_sessions):
+    idem = {"Idempotency-Key": f"k-{secrets.token_hex(4)}", **key_a.headers}
+    first = client.post("/v1/fine_tuning/jobs", headers=idem, json=body(file_id, seed=1))
+    second = client.post("/v1/fine_tuning/jobs", headers=idem, json=body(file_id, seed=1))
+    assert first.status_code == second.status_code == 200
+    assert first.json()["id"] == second.json()["id"]
+    err = assert_error(client.post("/v1/fine_tuning/jobs", headers=idem, json=body(file_id, seed=2)), 422,
+                       code="idempotency_key_reused")
+    assert first.json()["id"] in err["message"]
+    assert job_count(db_sessions, key_a.project) == 1
+    other = client.post("/v1/fine_tuning/jobs", headers={**key_a.headers, "Idempotency-Key": "other"},
+                        json=body(file_id, seed=1))
+    assert other.json()["id"] != first.json()["id"] and job_count(db_sessions, key_a.project) == 2
+
+
+def test_twenty_concurrent_requests_with_one_key_make_one_job(live_server, key_a, db_sessions):
+    with httpx.Client(base_url=live_server.url, headers=key_a.headers, timeout=60) as http:
+        fid = http.post("/v1/files", files={"file": ("t.jsonl", jsonl(training_rows(3)))},
+                        data={"purpose": "fine-tune"}).json()["id"]
+        headers = {"Idempotency-Key": f"race-{secrets.token_hex(4)}"}
+        with concurrent.futures.ThreadPoolExecutor(20) as pool:
+            futures = [pool.submit(http.post, "/v1/fine_tuning/jobs", json=body(fid, seed=3), headers=headers)
+                       for _ in range(20)]
+            responses = [f.result() for f in futures]
+    assert [r.status_code for r in responses] == [200] * 20, [r.text for r in responses if r.status_code != 200]
+    assert len({r.json()["id"] for r in responses}) == 1
+    assert job_count(db_sessions, key_a.project) == 1
+
+
+def test_metrics_take_the_latest_attempt_and_checkpoints_list(client, key_a, file_id, db_sessions):
+    job_id = client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=body(file_id)).json()["id"]
+    with db_sessions() as s:  # rows as a worker writes them: step 2 re-run by attempt 2 after a resume
+        s.add_all([JobMetric(job_id=job_id, step=1, attempt=1, values={"reward_mean": 0.1}),
+                   JobMetric(job_id=job_id, step=2, attempt=1, values={"reward_mean": 0.2}),
+                   JobMetric(job_id=job_id, step=2, attempt=2, values={"reward_mean": 0.25}),
+                   JobMetric(job_id=job_id, step=3, attempt=2, values={"reward_mean": 0.3}),
+                   Checkpoint(id="ftckpt-a", job_id=job_id, attempt=1, step=1, path="jobs/x/1", metrics={"loss": 1.0}),
+                   Checkpoint(id="ftckpt-b", job_id=job_id, attempt=2, step=3, path="jobs/x/3", metrics={"loss": 0.5})])
+        s.commit()
+    metrics = client.get(f"/v1/fine_tuning/jobs/{job_id}/metrics", headers=key_a.headers).json()
+    assert [(m["step"], m["attempt"], m["values"]["reward_mean"]) for m in metrics["data"]] == \
+        [(1, 1, 0.1), (2, 2, 0.25), (3, 2, 0.3)]
+    after = client.get(f"/v1/fine_tuning/jobs/{job_id}/metrics", headers=key_a.headers, params={"after_step": 1})
+    assert [m["step"] for m in after.json()["data"]] == [2, 3]
+    ckpts = client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints", headers=key_a.headers).json()
+    assert [(c["id"], c["step_number"]) for c in ckpts["data"]] == [("ftckpt-b", 3), ("ftckpt-a", 1)]
+    first = ckpts["data"][0]
+    assert first["object"] == "fine_tuning.job.checkpoint" and first["fine_tuning_job_id"] == job_id
+    assert first["metrics"] == {"step": 3, "loss": 0.5}
+    assert first["fine_tuned_model_checkpoint"].startswith(f"ft:{MODEL}:") and first["fine_tuned_model_checkpoint"].endswith(":ckpt-step-3")
+    page = client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints", headers=key_a.headers,
+                      params={"after": "ftckpt-b"}).json()
+    assert [c["id"] for c in page["data"]] == ["ftckpt-a"]
