@@ -9,8 +9,9 @@ import hashlib
 import json
 import os
 import tarfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import httpx
 
@@ -27,6 +28,19 @@ def load_local_config() -> dict[str, Any]:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return {}
+
+
+TERMINAL_STATES = ("succeeded", "failed", "cancelled")
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+@dataclass
+class ServerEvent:
+    """One server-sent event: ``id`` is the stream cursor (send it back as Last-Event-ID)."""
+
+    id: str | None
+    event: str | None
+    data: Any
 
 
 class QerlError(RuntimeError):
@@ -50,6 +64,15 @@ class Client:
                                  "once (it writes one to the local config)")
         self.http = httpx.Client(base_url=self.base_url, timeout=timeout,
                                  headers={"Authorization": f"Bearer {self.api_key}"})
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- plumbing --------------------------------------------------------------------------
     def _check(self, resp: httpx.Response) -> httpx.Response:
@@ -78,50 +101,176 @@ class Client:
     def cancel(self, job_id: str) -> dict[str, Any]:
         return self.post(f"/v1/fine_tuning/jobs/{job_id}/cancel")
 
-    def metrics(self, job_id: str) -> list[dict[str, Any]]:
-        return self.get(f"/v1/fine_tuning/jobs/{job_id}/metrics")["data"]
+    def list_jobs(self, *, status: str | None = None, limit: int = 20, after: str | None = None) -> dict[str, Any]:
+        """One page: {"data": [...], "has_more": bool}, newest first."""
+        return self.get("/v1/fine_tuning/jobs", status=status, limit=limit, after=after)
+
+    def checkpoints(self, job_id: str, limit: int = 100) -> list[dict[str, Any]]:
+        return self.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints", limit=limit)["data"]
+
+    def upload_file(self, path: Path, purpose: str = "fine-tune") -> dict[str, Any]:
+        path = Path(path)
+        with path.open("rb") as fh:
+            resp = self.http.post("/v1/files", data={"purpose": purpose},
+                                  files={"file": (path.name, fh, "application/jsonl")},
+                                  timeout=httpx.Timeout(30.0, write=None, read=300.0))
+        return self._check(resp).json()
+
+    def files(self) -> list[dict[str, Any]]:
+        return self.get("/v1/files")["data"]
+
+    def adapters(self) -> list[dict[str, Any]]:
+        return self.get("/v1/adapters")["data"]
+
+    def models(self) -> list[dict[str, Any]]:
+        return self.get("/v1/models")["data"]
+
+    def metrics(self, job_id: str, after_step: int | None = None) -> list[dict[str, Any]]:
+        """Every step's metrics in step order (all pages)."""
+        out: list[dict[str, Any]] = []
+        while True:
+            page = self.get(f"/v1/fine_tuning/jobs/{job_id}/metrics", after_step=after_step)
+            out.extend(page["data"])
+            if not page.get("has_more") or not page["data"]:
+                return out
+            after_step = page["data"][-1]["step"]
 
     def events(self, job_id: str, after: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
         return self.get(f"/v1/fine_tuning/jobs/{job_id}/events", after=after, limit=limit)["data"]
 
     def stream_events(self, job_id: str, last_event_id: str | None = None) -> Iterator[dict[str, Any]]:
+        """The job's events as they happen (decoded JSON payloads); ends when the server closes."""
+        for ev in self.stream_server_events(job_id, last_event_id):
+            if ev.event != "done" and isinstance(ev.data, dict):
+                yield ev.data
+
+    def stream_server_events(self, job_id: str, last_event_id: str | None = None) -> Iterator[ServerEvent]:
+        """Like ``stream_events`` but with each event's SSE ``id`` (for resuming after a disconnect).
+        The server ends the stream with an ``event: done`` frame ({"status": ...}) once the job is over."""
         headers = {"Accept": "text/event-stream"}
         if last_event_id:
             headers["Last-Event-ID"] = last_event_id
         with self.http.stream("GET", f"/v1/fine_tuning/jobs/{job_id}/events", headers=headers,
                               timeout=httpx.Timeout(30.0, read=None)) as resp:
-            self._check(resp)
-            data: list[str] = []
-            for line in resp.iter_lines():
-                if line.startswith("data:"):
-                    data.append(line[5:].strip())
-                elif not line and data:
-                    yield json.loads("\n".join(data))
-                    data = []
+            if resp.status_code >= 400:
+                resp.read()
+                self._check(resp)
+            yield from parse_sse(resp.iter_lines())
 
     def adapter(self, adapter_id: str) -> dict[str, Any]:
         return self.get(f"/v1/adapters/{adapter_id}")
 
-    def download_adapter(self, adapter_id: str, out_dir: Path, progress=None) -> Path:
-        """Download the adapter's tar.gz, check its sha256 against the server's, extract into out_dir."""
+    def download_adapter(self, adapter_id: str, out_dir: Path,
+                         progress: Callable[[int, int], None] | None = None) -> Path:
+        """Download the adapter's tar.gz, check its sha256 against the server's, extract into out_dir.
+
+        The archive holds the PEFT files at its root, so ``out_dir`` is ready for
+        ``PeftModel.from_pretrained`` and vLLM's ``LoRARequest``. Files listed with a sha256 in
+        ``qerl_manifest.json`` are checked too."""
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         tmp = out_dir / f".{adapter_id}.tar.gz.part"
         digest = hashlib.sha256()
-        with self.http.stream("GET", f"/v1/adapters/{adapter_id}/content") as resp:
-            self._check(resp)
-            expected = resp.headers.get("X-Checksum-Sha256") or resp.headers.get("etag", "").strip('"')
-            total = int(resp.headers.get("content-length") or 0)
-            with tmp.open("wb") as fh:
-                for chunk in resp.iter_bytes(1 << 16):
-                    fh.write(chunk)
-                    digest.update(chunk)
-                    if progress:
-                        progress(len(chunk), total)
-        if expected and digest.hexdigest() != expected:
+        try:
+            with self.http.stream("GET", f"/v1/adapters/{adapter_id}/content",
+                                  timeout=httpx.Timeout(30.0, read=300.0)) as resp:
+                if resp.status_code >= 400:
+                    resp.read()
+                    self._check(resp)
+                expected = resp.headers.get("X-Checksum-Sha256") or resp.headers.get("etag", "").strip('"')
+                total = int(resp.headers.get("content-length") or 0)
+                with tmp.open("wb") as fh:
+                    for chunk in resp.iter_bytes(1 << 16):
+                        fh.write(chunk)
+                        digest.update(chunk)
+                        if progress:
+                            progress(len(chunk), total)
+            if not expected:
+                raise QerlError(502, f"adapter {adapter_id}: the server sent no X-Checksum-Sha256 header; "
+                                     "the download cannot be verified")
+            if digest.hexdigest() != expected:
+                raise QerlError(502, f"adapter {adapter_id}: sha256 {digest.hexdigest()} does not match the "
+                                     f"server's {expected}; download it again")
+            with tarfile.open(tmp) as tar:
+                tar.extractall(out_dir, filter="data")
+        finally:
             tmp.unlink(missing_ok=True)
-            raise QerlError(502, f"adapter {adapter_id}: sha256 {digest.hexdigest()} does not match the server's {expected}")
-        with tarfile.open(tmp) as tar:
-            tar.extractall(out_dir, filter="data")
-        tmp.unlink()
+        verify_adapter_dir(out_dir)
         return out_dir
+
+
+def verify_adapter_dir(path: Path) -> dict[str, Any]:
+    """Check an extracted adapter: the PEFT files exist and match the manifest's sha256s.
+
+    Returns the manifest ({} when the archive has none)."""
+    path = Path(path)
+    missing = [name for name in ADAPTER_FILES if not (path / name).is_file()]
+    if missing:
+        raise QerlError(502, f"the adapter archive lacks {', '.join(missing)}; it is not a PEFT adapter")
+    manifest_path = path / "qerl_manifest.json"
+    if not manifest_path.is_file():
+        return {}
+    manifest = json.loads(manifest_path.read_text())
+    for name, want in _manifest_hashes(manifest).items():
+        file = path / name
+        if not file.is_file():
+            raise QerlError(502, f"qerl_manifest.json lists {name}, which the archive lacks")
+        got = _sha256_file(file)
+        if got != want:
+            raise QerlError(502, f"{name}: sha256 {got} does not match the manifest's {want}")
+    return manifest
+
+
+def _manifest_hashes(manifest: dict[str, Any]) -> dict[str, str]:
+    """{file name: sha256} from the manifest's ``files`` (a mapping, or a list of {name/path, sha256})."""
+    files = manifest.get("files") or manifest.get("sha256") or {}
+    out: dict[str, str] = {}
+    if isinstance(files, dict):
+        for name, value in files.items():
+            want = value.get("sha256") if isinstance(value, dict) else value
+            if isinstance(want, str):
+                out[name] = want
+    elif isinstance(files, list):
+        for entry in files:
+            if isinstance(entry, dict) and isinstance(entry.get("sha256"), str):
+                name = entry.get("name") or entry.get("path")
+                if isinstance(name, str):
+                    out[name] = entry["sha256"]
+    return {k: v for k, v in out.items() if "/" not in k and not k.startswith(".")}
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def parse_sse(lines: Iterator[str]) -> Iterator[ServerEvent]:
+    """Server-sent events from text lines (the WHATWG rules: ``data:`` lines join with newlines,
+    a blank line dispatches, ``:`` starts a comment/keep-alive). JSON payloads are decoded."""
+    data: list[str] = []
+    event_id: str | None = None
+    event_type: str | None = None
+    for line in lines:
+        if not line:
+            if data:
+                text = "\n".join(data)
+                try:
+                    payload: Any = json.loads(text)
+                except json.JSONDecodeError:
+                    payload = text
+                yield ServerEvent(event_id, event_type, payload)
+            data, event_type = [], None
+            continue
+        if line.startswith(":"):
+            continue
+        field, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if field == "data":
+            data.append(value)
+        elif field == "id":
+            event_id = value
+        elif field == "event":
+            event_type = value

@@ -127,7 +127,7 @@ def _follow(client: Client, job: dict) -> dict:
                     progress.console.print(
                         f"step {m['step']:>3}  reward {v['reward_mean']:.3f}  acc {v.get('accuracy', 0):.2f}  "
                         f"sigma {v.get('aqn_sigma', 0):.1e}  {v.get('rollout_tokens_per_s', 0):.0f} tok/s  "
-                        f"{v.get('step_seconds', 0):.1f} s")
+                        f"{v.get('step_s', 0):.1f} s")
             seen = len(metrics)
             last = next((m["values"] for m in reversed(metrics) if "reward_mean" in m["values"]), {})
             info = f"reward {last['reward_mean']:.3f}" if last else ""

@@ -56,7 +56,8 @@
       const digits = Math.max(0, Math.min(3, Math.ceil(Math.log10(big / incr) - 1e-9)));
       return splits.map((v) => v.toExponential(digits));
     }
-    const decimals = Math.max(0, Math.min(8, Math.ceil(-Math.log10(incr) - 1e-9)));
+    const step = String(+incr.toPrecision(6));
+    const decimals = step.includes('e') ? Math.min(8, Math.ceil(-Math.log10(incr))) : (step.split('.')[1] || '').length;
     return splits.map((v) => v.toFixed(decimals));
   }
   const STEP_INCRS = [1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1000, 2000, 2500, 5000, 10000, 20000, 50000, 100000];

@@ -1,0 +1,332 @@
+"""`qerl files|jobs|adapters`: drive a qerl server from the terminal.
+
+The server URL and API key come from ``--base-url`` / ``--api-key``, then ``QERL_BASE_URL`` /
+``QERL_API_KEY``, then the local config the embedded server writes. Failures print the
+server's own message (OpenAI's error shape) and exit 1; ``jobs watch`` exits 1 when the job
+fails and 2 when it is cancelled, so scripts can chain on it.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Any, Callable, Optional
+
+import httpx
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+from rich.table import Table
+
+from qerl.client import Client, QerlError
+from qerl.jobbody import build_job_body, load_spec
+from qerl.watch import follow_events, watch_job
+
+out = Console()
+err = Console(stderr=True, soft_wrap=True)
+
+BaseUrl = Annotated[Optional[str], typer.Option("--base-url", envvar="QERL_BASE_URL", show_envvar=True,
+                                                help="server URL (default: the local config, else http://127.0.0.1:8000)")]
+ApiKey = Annotated[Optional[str], typer.Option("--api-key", envvar="QERL_API_KEY", show_envvar=True,
+                                               help="API key (default: the local config)")]
+AsJson = Annotated[bool, typer.Option("--json", help="print the server's JSON instead of a table")]
+EXIT_FAILED, EXIT_CANCELLED = 1, 2
+
+
+# -- plumbing ----------------------------------------------------------------------------------
+def _errors_as_messages(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn the errors a user can act on into one line on stderr and exit code 1."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except QerlError as exc:
+            code = f" {exc.code}" if exc.code else ""
+            err.print(f"[red]error[/] ({exc.status}{code}): {escape(exc.message)}")
+        except httpx.ConnectError as exc:
+            url = exc.request.url.copy_with(path="/", query=None) if exc.request else "the server"
+            err.print(f"[red]error[/]: cannot reach the qerl server at {url} ({escape(str(exc))}); start it with "
+                      "`qerl serve`, or pass --base-url / set QERL_BASE_URL")
+        except httpx.HTTPError as exc:
+            err.print(f"[red]error[/]: {type(exc).__name__}: {escape(str(exc))}")
+        except (ValueError, OSError) as exc:
+            err.print(f"[red]error[/]: {escape(str(exc))}")
+        except KeyboardInterrupt:
+            raise typer.Exit(130) from None
+        raise typer.Exit(1)
+
+    return wrapper
+
+
+def _client(base_url: str | None, api_key: str | None) -> Client:
+    return Client(base_url=base_url, api_key=api_key)
+
+
+def _print_json(obj: Any) -> None:
+    typer.echo(json.dumps(obj, indent=2, sort_keys=False))
+
+
+def _when(ts: int | None) -> str:
+    return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
+
+
+def _size(n: int | None) -> str:
+    n = float(n or 0)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+STATUS_STYLE = {"succeeded": "green", "failed": "red", "cancelled": "yellow", "cancelling": "yellow",
+                "running": "cyan", "queued": "blue", "validating_files": "blue"}
+
+
+def _status(s: str) -> str:
+    return f"[{STATUS_STYLE.get(s, 'white')}]{s}[/]"
+
+
+def _report_outcome(job: dict[str, Any]) -> None:
+    status = job["status"]
+    if status == "succeeded":
+        out.print(f"[green]Job {job['id']} succeeded[/]: {escape(job.get('fine_tuned_model') or '')}")
+        adapter = (job.get("qerl") or {}).get("adapter_id")
+        if adapter:
+            out.print(f"download the adapter: qerl adapters download {adapter} -o ./{adapter}")
+        return
+    e = job.get("error") or {}
+    out.print(f"[red]Job {job['id']} {status}[/]" + (f": {e.get('code')}: {escape(str(e.get('message')))}" if e else ""))
+    raise typer.Exit(EXIT_FAILED if status == "failed" else EXIT_CANCELLED)
+
+
+def _event_line(ev: dict[str, Any]) -> str:
+    level = ev.get("level", "info")
+    color = {"warn": "yellow", "error": "red"}.get(level, "dim")
+    return f"[dim]{_when(ev.get('created_at'))}[/] [{color}]{level:5}[/] {escape(str(ev.get('message', '')))}"
+
+
+# -- commands ----------------------------------------------------------------------------------
+files_app = typer.Typer(no_args_is_help=True, help="Upload and list training files.")
+jobs_app = typer.Typer(no_args_is_help=True, help="Create, follow and cancel fine-tuning jobs.")
+adapters_app = typer.Typer(no_args_is_help=True, help="List and download trained LoRA adapters.")
+
+
+@files_app.command("upload")
+@_errors_as_messages
+def files_upload(path: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="a JSONL file")],
+                 purpose: Annotated[str, typer.Option(help="OpenAI file purpose")] = "fine-tune",
+                 base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJson = False) -> None:
+    """Upload a JSONL training or validation file; prints its id."""
+    with _client(base_url, api_key) as client:
+        f = client.upload_file(path, purpose)
+    if as_json:
+        return _print_json(f)
+    rows = (f.get("qerl") or {}).get("rows")
+    out.print(f"[bold]{f['id']}[/]  {escape(f['filename'])}  {_size(f['bytes'])}"
+              + (f"  {rows} rows" if rows is not None else ""))
+
+
+@files_app.command("list")
+@_errors_as_messages
+def files_list(base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJson = False) -> None:
+    """The files of this key's project."""
+    with _client(base_url, api_key) as client:
+        files = client.files()
+    if as_json:
+        return _print_json(files)
+    table = Table("id", "filename", "purpose", "size", "rows", "created")
+    for f in files:
+        table.add_row(f["id"], escape(f["filename"]), f["purpose"], _size(f["bytes"]),
+                      str((f.get("qerl") or {}).get("rows", "")), _when(f.get("created_at")))
+    out.print(table)
+
+
+@jobs_app.command("create")
+@_errors_as_messages
+def jobs_create(
+    spec: Annotated[Optional[str], typer.Argument(help="job body as a JSON or YAML file (- for stdin); flags override it")] = None,
+    model: Annotated[Optional[str], typer.Option(help="base model (GET /v1/models)")] = None,
+    training_file: Annotated[Optional[str], typer.Option(help="uploaded file id (qerl files upload)")] = None,
+    validation_file: Annotated[Optional[str], typer.Option(help="uploaded file id for evaluation")] = None,
+    dataset: Annotated[Optional[str], typer.Option(help="a built-in reasoning-gym task instead of a file, e.g. products")] = None,
+    dataset_size: Annotated[Optional[int], typer.Option(help="items generated for --dataset")] = None,
+    grader: Annotated[Optional[str], typer.Option(help="grader as JSON or @file.json (OpenAI grader shapes)")] = None,
+    steps: Annotated[Optional[int], typer.Option(help="optimizer steps")] = None,
+    prompts_per_step: Annotated[Optional[int], typer.Option(help="prompts per step")] = None,
+    num_generations: Annotated[Optional[int], typer.Option(help="samples per prompt (G)")] = None,
+    max_new_tokens: Annotated[Optional[int], typer.Option(help="rollout length limit")] = None,
+    learning_rate: Annotated[Optional[float], typer.Option(help="LoRA learning rate")] = None,
+    lora_r: Annotated[Optional[int], typer.Option(help="LoRA rank")] = None,
+    quantization: Annotated[Optional[str], typer.Option(help="nvfp4, nf4 or bf16")] = None,
+    algorithm: Annotated[Optional[str], typer.Option(help="grpo, dapo or dr_grpo")] = None,
+    aqn: Annotated[Optional[bool], typer.Option("--aqn/--no-aqn", help="adaptive quantization noise")] = None,
+    seed: Annotated[Optional[int], typer.Option()] = None,
+    suffix: Annotated[Optional[str], typer.Option(help="added to the fine-tuned model name")] = None,
+    metadata: Annotated[Optional[list[str]], typer.Option(help="KEY=VALUE, repeatable")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="any body field: a.b.c=VALUE (JSON value), repeatable")] = None,
+    idempotency_key: Annotated[Optional[str], typer.Option(help="retries with the same key create one job")] = None,
+    dry_run: Annotated[bool, typer.Option(help="print the body instead of sending it")] = False,
+    watch: Annotated[bool, typer.Option(help="then follow it like `qerl jobs watch`")] = False,
+    base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJson = False,
+) -> None:
+    """Submit a fine-tuning job (OpenAI's body; qerl options under "qerl")."""
+    body = build_job_body(load_spec(spec) if spec else None, model=model, training_file=training_file,
+                          validation_file=validation_file, dataset=dataset, dataset_size=dataset_size,
+                          grader=grader, steps=steps, prompts_per_step=prompts_per_step,
+                          num_generations=num_generations, max_new_tokens=max_new_tokens,
+                          learning_rate=learning_rate, lora_r=lora_r, quantization=quantization,
+                          algorithm=algorithm, aqn=aqn, seed=seed, suffix=suffix, metadata=metadata or [],
+                          overrides=set_ or [])
+    if dry_run:
+        return _print_json(body)
+    with _client(base_url, api_key) as client:
+        job = client.create_job(body, idempotency_key)
+        if as_json:
+            _print_json(job)
+        else:
+            out.print(f"[bold]{job['id']}[/] {_status(job['status'])}  {escape(job['model'])}  "
+                      f"{job['qerl']['progress'].get('total_steps', '?')} steps")
+        if watch:
+            _report_outcome(watch_job(client, job["id"], out))
+
+
+@jobs_app.command("list")
+@_errors_as_messages
+def jobs_list(status: Annotated[Optional[str], typer.Option(help="only jobs in this state")] = None,
+              limit: Annotated[int, typer.Option(min=1, max=100)] = 20,
+              after: Annotated[Optional[str], typer.Option(help="page after this job id")] = None,
+              base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJson = False) -> None:
+    """Jobs of this key's project, newest first."""
+    with _client(base_url, api_key) as client:
+        page = client.list_jobs(status=status, limit=limit, after=after)
+    if as_json:
+        return _print_json(page)
+    table = Table("id", "status", "model", "progress", "created", "fine-tuned model")
+    for j in page["data"]:
+        p = j["qerl"]["progress"]
+        table.add_row(j["id"], _status(j["status"]), escape(j["model"]), f"{p['step']}/{p['total_steps']}",
+                      _when(j["created_at"]), escape(j.get("fine_tuned_model") or ""))
+    out.print(table)
+    if page.get("has_more"):
+        out.print(f"[dim]more: qerl jobs list --after {page['data'][-1]['id']}[/]")
+
+
+@jobs_app.command("get")
+@_errors_as_messages
+def jobs_get(job_id: str, base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJson = False) -> None:
+    """One job: state, progress, error, result."""
+    with _client(base_url, api_key) as client:
+        job = client.job(job_id)
+    if as_json:
+        return _print_json(job)
+    q = job["qerl"]
+    table = Table(show_header=False, box=None)
+    rows = [("id", job["id"]), ("status", _status(job["status"])), ("model", escape(job["model"])),
+            ("progress", f"{q['progress']['step']}/{q['progress']['total_steps']} steps"),
+            ("quantization", q.get("quantization", "")), ("attempt", f"{q.get('attempt')}/{q.get('max_attempts')}"),
+            ("training file", job.get("training_file") or "-"), ("created", _when(job["created_at"])),
+            ("started", _when(q.get("started_at"))), ("finished", _when(job.get("finished_at"))),
+            ("fine-tuned model", escape(job.get("fine_tuned_model") or "-")), ("adapter", q.get("adapter_id") or "-")]
+    if job.get("error"):
+        rows.append(("error", f"[red]{escape(job['error']['code'])}: {escape(job['error']['message'])}[/]"))
+    for k, v in rows:
+        table.add_row(f"[bold]{k}[/]", str(v))
+    out.print(table)
+
+
+@jobs_app.command("cancel")
+@_errors_as_messages
+def jobs_cancel(job_id: str, base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJson = False) -> None:
+    """Ask a job to stop; a running job saves a checkpoint and winds down (cancelling -> cancelled)."""
+    with _client(base_url, api_key) as client:
+        job = client.cancel(job_id)
+    if as_json:
+        return _print_json(job)
+    out.print(f"{job['id']} {_status(job['status'])}")
+
+
+@jobs_app.command("watch")
+@_errors_as_messages
+def jobs_watch(job_id: str, interval: Annotated[float, typer.Option(help="seconds between status checks")] = 1.0,
+               base_url: BaseUrl = None, api_key: ApiKey = None) -> None:
+    """Live progress until the job ends; exit 0 if it succeeded, 1 if it failed, 2 if cancelled."""
+    with _client(base_url, api_key) as client:
+        _report_outcome(watch_job(client, job_id, out, interval))
+
+
+@jobs_app.command("events")
+@_errors_as_messages
+def jobs_events(job_id: str, follow: Annotated[bool, typer.Option("--follow", "-f", help="stream new events until the job ends")] = False,
+                limit: Annotated[int, typer.Option(min=1, max=1000)] = 100,
+                base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJson = False) -> None:
+    """A job's event log (oldest first); --follow streams it live (server-sent events)."""
+    with _client(base_url, api_key) as client:
+        if follow:
+            for ev in follow_events(client, job_id):
+                if as_json:
+                    typer.echo(json.dumps(ev))
+                else:
+                    out.print(_event_line(ev), highlight=False)
+            return
+        events = client.events(job_id, limit=limit)
+    events.sort(key=lambda e: (e.get("created_at") or 0, _numeric_id(e.get("id"))))
+    if as_json:
+        return _print_json(events)
+    for ev in events:
+        out.print(_event_line(ev), highlight=False)
+
+
+def _numeric_id(value: Any) -> int:
+    digits = "".join(ch for ch in str(value) if ch.isdigit())
+    return int(digits) if digits else 0
+
+
+@adapters_app.command("list")
+@_errors_as_messages
+def adapters_list(base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJson = False) -> None:
+    """Trained adapters of this key's project."""
+    with _client(base_url, api_key) as client:
+        adapters = client.adapters()
+    if as_json:
+        return _print_json(adapters)
+    table = Table("id", "name", "base model", "job", "size", "sha256", "created")
+    for a in adapters:
+        table.add_row(a["id"], escape(a["name"]), escape(a["base_model"]), a["job_id"], _size(a["bytes"]),
+                      a["sha256"][:12], _when(a["created_at"]))
+    out.print(table)
+
+
+@adapters_app.command("download")
+@_errors_as_messages
+def adapters_download(adapter_id: Annotated[str, typer.Argument(help="adapter id, or the id of a job that succeeded")],
+                      output: Annotated[Optional[Path], typer.Option("-o", "--output", file_okay=False,
+                                                                      help="directory (default ./<adapter id>)")] = None,
+                      base_url: BaseUrl = None, api_key: ApiKey = None) -> None:
+    """Download, verify (sha256) and extract an adapter into a directory PEFT and vLLM load."""
+    with _client(base_url, api_key) as client:
+        if adapter_id.startswith("ftjob-"):
+            job = client.job(adapter_id)
+            adapter_id = job["qerl"].get("adapter_id") or ""
+            if not adapter_id:
+                raise QerlError(409, f"job {job['id']} is {job['status']} and has no adapter yet; wait for it "
+                                     f"to succeed (qerl jobs watch {job['id']})")
+        meta = client.adapter(adapter_id)
+        target = output or Path(adapter_id)
+        columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
+        with Progress(*columns, console=out) as progress:
+            task = progress.add_task(adapter_id, total=meta.get("bytes") or None)
+            client.download_adapter(adapter_id, target, lambda n, total: progress.update(task, advance=n))
+    out.print(f"[green]sha256 verified[/] {meta['sha256']}")
+    out.print(f"adapter {adapter_id} ({escape(meta['name'])}, base {escape(meta['base_model'])}) extracted to {target}")
+    out.print(f"load it: peft.PeftModel.from_pretrained(base_model, {str(target)!r})  |  "
+              f"vLLM: LoRARequest({meta['name']!r}, 1, {str(target)!r})", highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(files_app, name="files")
+    app.add_typer(jobs_app, name="jobs")
+    app.add_typer(adapters_app, name="adapters")

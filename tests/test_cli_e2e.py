@@ -1,0 +1,139 @@
+"""The ``qerl`` CLI against a live embedded server (subprocess), through a whole job on the tiny
+model with the real engine: upload, create, watch (progress rendered, exit 0), events, list,
+download (sha256 checked) and PEFT loading the downloaded adapter."""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+import tarfile
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests._client_server import STEPS, CliJob, Served, cli_job, qerl_server  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def test_create_and_watch_render_progress_and_exit_0(cli_job: CliJob) -> None:
+    assert cli_job.watch.returncode == 0, (cli_job.watch.stdout, cli_job.watch.stderr)
+    out = cli_job.watch.stdout
+    # one line per step with the live numbers, the final frame of the bar, the outcome
+    for step in range(1, STEPS + 1):
+        line = next((l for l in out.splitlines() if l.startswith(f"step {step}/{STEPS} ")), None)
+        assert line is not None, out
+        assert re.search(r"reward \d\.\d{3}", line) and re.search(r"entropy \d", line) and "tok/s" in line, line
+        assert re.search(r"sigma \d\.\de[+-]\d\d", line), line
+    assert re.search(rf"succeeded .*100%.*{STEPS}/{STEPS} steps.*reward .*ETA 0:00:00", out), out
+    assert f"Job {cli_job.job_id} succeeded" in out
+    job = cli_job.job
+    assert job["status"] == "succeeded" and job["qerl"]["progress"] == {"step": STEPS, "total_steps": STEPS}
+    # the YAML spec and the flags both reached the server
+    assert job["model"] == "tiny" and job["training_file"] == cli_job.file_id and job["seed"] == 3
+    assert job["metadata"] == {"origin": "test"} and job["user_provided_suffix"] == "cli"
+    spec = job["qerl"]["spec"]
+    assert spec["steps"] == STEPS and spec["lora"]["r"] == 4 and spec["rollout"]["num_generations"] == 2
+    assert job["method"]["reinforcement"]["grader"]["type"] == "text_similarity"
+
+
+def test_list_get_and_events(cli_job: CliJob, qerl_server: Served) -> None:
+    listed = qerl_server.qerl("jobs", "list")
+    assert listed.returncode == 0 and cli_job.job_id in listed.stdout and "succeeded" in listed.stdout
+    got = qerl_server.qerl("jobs", "get", cli_job.job_id)
+    assert got.returncode == 0 and cli_job.job["fine_tuned_model"] in got.stdout
+    assert cli_job.job["qerl"]["adapter_id"] in got.stdout
+    # --follow on a finished job replays the whole log and stops by itself
+    follow = qerl_server.qerl("jobs", "events", cli_job.job_id, "--follow", "--json", timeout=60)
+    assert follow.returncode == 0, follow.stderr
+    streamed = [json.loads(l) for l in follow.stdout.splitlines()]
+    listed_events = httpx.get(f"{qerl_server.url}/v1/fine_tuning/jobs/{cli_job.job_id}/events",
+                              params={"limit": 1000}, headers=qerl_server.headers).json()["data"]
+    assert [e["id"] for e in streamed] == [e["id"] for e in reversed(listed_events)]
+    assert [e["data"]["step"] for e in streamed if e["type"] == "metrics"] == list(range(1, STEPS + 1))
+    plain = qerl_server.qerl("jobs", "events", cli_job.job_id)
+    assert plain.returncode == 0 and f"Step {STEPS}/{STEPS}" in plain.stdout
+
+
+def test_download_verifies_and_peft_loads_the_adapter(cli_job: CliJob, qerl_server: Served, tmp_path: Path,
+                                                       tiny_model_dir: Path) -> None:
+    import torch
+    from peft import PeftModel, get_peft_model_state_dict
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    adapter_id = cli_job.job["qerl"]["adapter_id"]
+    listed = qerl_server.qerl("adapters", "list")
+    assert listed.returncode == 0 and adapter_id in listed.stdout
+    out_dir = tmp_path / "adapter"
+    # by job id: the CLI finds the job's adapter
+    dl = qerl_server.qerl("adapters", "download", cli_job.job_id, "-o", str(out_dir))
+    assert dl.returncode == 0, dl.stderr
+    meta = httpx.get(f"{qerl_server.url}/v1/adapters/{adapter_id}", headers=qerl_server.headers).json()
+    assert f"sha256 verified {meta['sha256']}" in dl.stdout
+
+    # independently: the archive's sha256 is what the server states, and the CLI extracted it as is
+    resp = httpx.get(f"{qerl_server.url}/v1/adapters/{adapter_id}/content", headers=qerl_server.headers)
+    assert hashlib.sha256(resp.content).hexdigest() == resp.headers["X-Checksum-Sha256"] == meta["sha256"]
+    with tarfile.open(fileobj=io.BytesIO(resp.content)) as tar:
+        members = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "qerl_manifest.json"} <= set(members)
+    for name, data in members.items():
+        assert (out_dir / name).read_bytes() == data, name
+    assert not list(out_dir.glob(".*.part"))
+
+    # PEFT loads the directory on the base model and holds exactly the downloaded weights
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, out_dir)
+    saved = load_file(out_dir / "adapter_model.safetensors")
+    loaded = get_peft_model_state_dict(model)
+    assert set(saved) == set(loaded) and saved
+    for name, tensor in saved.items():
+        torch.testing.assert_close(loaded[name].float(), tensor.float(), rtol=0, atol=0, msg=name)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert model(ids).logits.shape == (1, 4, base.config.vocab_size)
+
+
+def test_errors_print_the_server_message(cli_job: CliJob, qerl_server: Served) -> None:
+    missing = qerl_server.qerl("jobs", "get", "ftjob-doesnotexist")
+    assert missing.returncode == 1 and "Traceback" not in missing.stderr
+    assert "(404 not_found): No fine-tuning job found with id 'ftjob-doesnotexist'" in missing.stderr
+    finished = qerl_server.qerl("jobs", "cancel", cli_job.job_id)
+    assert finished.returncode == 1 and "(409" in finished.stderr and "Traceback" not in finished.stderr
+    bad_model = qerl_server.qerl("jobs", "create", "--model", "no-such-model", "--dataset", "products")
+    assert bad_model.returncode == 1 and "unknown model 'no-such-model'" in bad_model.stderr
+    bad_key = qerl_server.qerl("jobs", "list", "--api-key", "wrong")
+    assert bad_key.returncode == 1 and "(401" in bad_key.stderr
+    # the URL and key from the environment win over the local config
+    env = dict(qerl_server.env, QERL_CONFIG="/nonexistent/config.json", QERL_BASE_URL=qerl_server.url,
+               QERL_API_KEY=qerl_server.api_key)
+    assert cli_job.job_id in qerl_server.qerl("jobs", "list", env=env).stdout
+
+
+def test_watch_exits_non_zero_when_the_job_is_cancelled(qerl_server: Served) -> None:
+    created = qerl_server.qerl("jobs", "create", "--model", "tiny", "--dataset", "products", "--dataset-size", "8",
+                               "--steps", "50", "--set", "qerl.device=cpu", "--set", "qerl.rollout.max_new_tokens=4",
+                               "--set", "qerl.prompts_per_step=1", "--json")
+    assert created.returncode == 0, created.stderr
+    job_id = json.loads(created.stdout)["id"]
+    cancel = qerl_server.qerl("jobs", "cancel", job_id)
+    assert cancel.returncode == 0 and job_id in cancel.stdout
+    watch = qerl_server.qerl("jobs", "watch", job_id, "--interval", "0.3", timeout=300)
+    assert watch.returncode == 2, (watch.stdout, watch.stderr)
+    assert f"Job {job_id} cancelled" in watch.stdout
+
+
+def test_watch_exits_1_with_the_reason_when_the_job_fails(cli_job: CliJob, qerl_server: Served, tmp_path: Path) -> None:
+    from tests._client_server import JOB_SPEC_YAML
+
+    (tmp_path / "job.yaml").write_text(JOB_SPEC_YAML)
+    # passes the API's checks, fails in the engine: 8 prompts cannot hold out 32 for evaluation
+    created = qerl_server.qerl("jobs", "create", str(tmp_path / "job.yaml"), "--training-file", cli_job.file_id,
+                               "--set", "qerl.data.eval_size=32", "--json")
+    assert created.returncode == 0, created.stderr
+    job_id = json.loads(created.stdout)["id"]
+    watch = qerl_server.qerl("jobs", "watch", job_id, "--interval", "0.3", timeout=300)
+    assert watch.returncode == 1, (watch.stdout, watch.stderr)
+    assert f"Job {job_id} failed: invalid_dataset: data.eval_size=32" in watch.stdout

@@ -1,0 +1,187 @@
+"""The dashboard in real headless Chromium (Debian's chromium + chromedriver, driven by selenium)
+against the live embedded server after a real job: sign in with the key, the jobs list shows
+the finished job, its charts draw the points the API holds (read back from the page and from
+the canvas pixels), events, checkpoints and the adapter download (sha256 checked in the page).
+Screenshots go to test-artifacts/. Skips when chromium, chromedriver or selenium is missing."""
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests._client_server import JOB_SPEC_YAML, STEPS, CliJob, Served, cli_job, qerl_server  # noqa: F401
+
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+SERIES_RGB = [(0x2F, 0x6F, 0xDE), (0xE8, 0x59, 0x0C)]  # train and eval strokes in app.js
+
+pytestmark = pytest.mark.timeout(900)
+needs_chromium = pytest.mark.skipif(
+    not (CHROMIUM and CHROMEDRIVER),
+    reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    webdriver = pytest.importorskip("selenium.webdriver")
+    from selenium.webdriver.chrome.service import Service
+
+    profile = tempfile.mkdtemp(prefix="qerl-chromium-")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", "--window-size=1400,1500", f"--user-data-dir={profile}"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(60)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def _wait(driver, condition, timeout: float = 30.0, what: str = "the page"):  # type: ignore[no-untyped-def]
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        return WebDriverWait(driver, timeout, poll_frequency=0.2).until(lambda d: condition(d))
+    except TimeoutException:
+        logs = driver.get_log("browser") if hasattr(driver, "get_log") else []
+        pytest.fail(f"timed out waiting for {what}; browser console: {logs}")
+
+
+def _series_pixels(driver, metric: str) -> int:  # type: ignore[no-untyped-def]
+    """Canvas pixels of the chart painted in a series' colour (lines and points)."""
+    return driver.execute_script("""
+        const canvas = document.querySelector(`.chart[data-metric="${arguments[0]}"] canvas`);
+        if (!canvas) return 0;
+        const px = canvas.getContext('2d').getImageData(0, 0, canvas.width, canvas.height).data;
+        let n = 0;
+        for (let i = 0; i < px.length; i += 4)
+          for (const [r, g, b] of arguments[1])
+            if (Math.abs(px[i] - r) < 12 && Math.abs(px[i + 1] - g) < 12 && Math.abs(px[i + 2] - b) < 12 && px[i + 3] > 200) n++;
+        return n;""", metric, [list(c) for c in SERIES_RGB])
+
+
+@needs_chromium
+def test_dashboard_shows_the_finished_job_with_its_curves(browser, cli_job: CliJob, qerl_server: Served) -> None:
+    from selenium.webdriver.common.by import By
+
+    driver = browser
+    ARTIFACTS.mkdir(exist_ok=True)
+    driver.get(f"{qerl_server.url}/")
+    # sign in: a wrong key is refused with the server's message, the right one is kept
+    box = _wait(driver, lambda d: d.find_elements(By.ID, "api-key"), what="the key form")[0]
+    box.send_keys("sk-wrong")
+    driver.find_element(By.CSS_SELECTOR, "#login-form button").click()
+    err = _wait(driver, lambda d: d.find_element(By.ID, "login-error").text, what="the login error")
+    assert "key" in err.lower()
+    box.clear()
+    box.send_keys(qerl_server.api_key)
+    driver.find_element(By.CSS_SELECTOR, "#login-form button").click()
+
+    row_css = f'tr.job-row[data-job-id="{cli_job.job_id}"]'
+    row = _wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, row_css), what="the jobs list")[0]
+    assert row.get_attribute("data-status") == "succeeded"
+    assert f"{STEPS}/{STEPS}" in row.text and cli_job.job["fine_tuned_model"] in row.text
+    assert driver.execute_script("return localStorage.getItem('qerl.apiKey')") == qerl_server.api_key
+    driver.save_screenshot(str(ARTIFACTS / "dashboard-jobs.png"))
+
+    row.find_element(By.TAG_NAME, "a").click()
+    _wait(driver, lambda d: d.execute_script("return document.getElementById('main').dataset.streamEnded"),
+          what="the job page to load and its event stream to end")
+
+    metrics = httpx.get(f"{qerl_server.url}/v1/fine_tuning/jobs/{cli_job.job_id}/metrics",
+                        headers=qerl_server.headers).json()["data"]
+
+    def expected(*keys: str) -> int:
+        return sum(1 for m in metrics for k in keys
+                   if isinstance(m["values"].get(k), (int, float)) and math.isfinite(m["values"][k]))
+
+    want = {"reward": expected("reward_mean", "eval/reward_mean"), "accuracy": expected("accuracy", "eval/accuracy"),
+            "entropy": expected("entropy"), "kl": expected("kl"), "aqn_sigma": expected("aqn_sigma"),
+            "tokens_per_s": expected("rollout_tokens_per_s")}
+    assert want["reward"] == 2 * STEPS and all(n >= STEPS for n in want.values()), want  # eval at 0 and at the end
+    got = _wait(driver, lambda d: (lambda g: g if g == want else None)(d.execute_script(
+        "return Object.fromEntries([...document.querySelectorAll('.chart')]"
+        ".map(c => [c.dataset.metric, +c.dataset.points]))")), what=f"charts with {want} points")
+    assert got == want
+    driver.execute_script("window.scrollTo(0, 0)")
+    driver.save_screenshot(str(ARTIFACTS / "dashboard-job.png"))
+    for metric in want:
+        assert _series_pixels(driver, metric) > 20, f"the {metric} chart has no painted series"
+
+    events = driver.find_elements(By.CSS_SELECTOR, "#events li")
+    assert any(f"Step {STEPS}/{STEPS}" in e.text for e in events)
+    assert any("successfully completed" in e.text for e in events)
+    checkpoints = httpx.get(f"{qerl_server.url}/v1/fine_tuning/jobs/{cli_job.job_id}/checkpoints",
+                            headers=qerl_server.headers).json()["data"]
+    rows = driver.find_elements(By.CSS_SELECTOR, "#checkpoints tbody tr")
+    assert len(rows) == len(checkpoints) == STEPS
+    assert driver.find_element(By.ID, "job-status").text == "succeeded"
+
+    adapter_id = cli_job.job["qerl"]["adapter_id"]
+    adapter = driver.find_element(By.ID, "adapter")
+    assert adapter_id in adapter.text and f"qerl adapters download {adapter_id}" in adapter.text
+    driver.find_element(By.ID, "adapter-download").click()
+    status = _wait(driver, lambda d: (lambda t: t if t not in ("", "downloading…") else None)(
+        d.find_element(By.CSS_SELECTOR, "#adapter .ok, #adapter .error").text), what="the adapter download")
+    assert status == "sha256 verified"
+    assert (ARTIFACTS / "dashboard-job.png").stat().st_size > 10_000
+
+
+def test_dashboard_serves_only_its_own_files(qerl_server: Served) -> None:
+    page = httpx.get(f"{qerl_server.url}/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "default-src 'self'" in page.headers["content-security-policy"]
+    assert "/dashboard/static/vendor/uPlot.iife.min.js" in page.text
+    js = httpx.get(f"{qerl_server.url}/dashboard/static/vendor/uPlot.iife.min.js")
+    assert js.status_code == 200 and js.headers["content-type"].startswith("text/javascript")
+    assert httpx.get(f"{qerl_server.url}/dashboard/static/vendor/uPlot.LICENSE").status_code == 200
+    for path in ("../routes.py", "..%2froutes.py", "index.html", "nope.js"):
+        resp = httpx.get(f"{qerl_server.url}/dashboard/static/{path}")
+        assert resp.status_code == 404 and "error" in resp.json(), path
+
+
+@needs_chromium
+def test_job_page_follows_a_running_job_live(browser, cli_job: CliJob, qerl_server: Served) -> None:
+    """Opened while the job is queued, the page fills its charts and ends at 'succeeded' from the
+    event stream alone (no reload)."""
+    from selenium.webdriver.common.by import By
+
+    driver = browser
+    driver.get(f"{qerl_server.url}/")
+    driver.execute_script("localStorage.setItem('qerl.apiKey', arguments[0])", qerl_server.api_key)
+    body = yaml.safe_load(JOB_SPEC_YAML) | {"training_file": cli_job.file_id, "seed": 5}
+    body["qerl"]["steps"] = 3
+    resp = httpx.post(f"{qerl_server.url}/v1/fine_tuning/jobs", json=body, headers=qerl_server.headers)
+    assert resp.status_code == 200, resp.text
+    job_id = resp.json()["id"]
+    driver.get(f"{qerl_server.url}/#/jobs/{job_id}")
+    driver.refresh()
+    _wait(driver, lambda d: d.find_element(By.ID, "job-id").text == job_id and d.execute_script(
+        "return document.getElementById('main').dataset.status"), what="the job page")
+    driver.execute_script("window.__sameDocument = true")
+    first = driver.execute_script("return document.getElementById('main').dataset.status")
+    _wait(driver, lambda d: d.execute_script("return document.getElementById('main').dataset.streamEnded"),
+          timeout=500, what="the job to finish on the page")
+    assert first in ("validating_files", "queued", "running"), first
+    assert driver.execute_script("return window.__sameDocument") is True
+    final = httpx.get(f"{qerl_server.url}/v1/fine_tuning/jobs/{job_id}", headers=qerl_server.headers).json()
+    assert final["status"] == "succeeded", final["error"]
+    assert driver.find_element(By.ID, "job-status").text == "succeeded"
+    points = driver.execute_script("return Object.fromEntries([...document.querySelectorAll('.chart')]"
+                                   ".map(c => [c.dataset.metric, +c.dataset.points]))")
+    assert points["reward"] == 3 + 2 and points["tokens_per_s"] == 3 and points["aqn_sigma"] == 3, points
+    events = [e.text for e in driver.find_elements(By.CSS_SELECTOR, "#events li")]
+    assert any("Step 3/3" in e for e in events) and "successfully completed" in events[0]
