@@ -1,0 +1,144 @@
+"""LoRA: PEFT-format round trip against peft on transformers (bf16 and NVFP4 bases), the
+disabled switch, state dicts, init, and what is trainable."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from engine.lora import (adapter_params, adapter_state_dict, apply_lora, load_adapter_state_dict, load_peft_adapter,
+                         lora_disabled, lora_modules, save_peft_adapter)
+from engine.model import load_model
+from engine.model.tiny import make_tiny_model
+from engine.spec import LoraSpec
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    return {"llama": make_tiny_model(root / "llama", arch="llama", seed=11),
+            "qwen3": make_tiny_model(root / "qwen3", arch="qwen3", seed=12)}
+
+
+def _ids(seed: int) -> torch.Tensor:
+    return torch.randint(0, 49152, (2, 9), generator=torch.Generator().manual_seed(seed))
+
+
+def _randomize(model, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in adapter_params(model):
+            p.copy_(0.1 * torch.randn(p.shape, generator=g))
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model.logits(model(ids)).float()
+
+
+@pytest.mark.parametrize("arch,dtype,rslora", [("llama", torch.float32, False), ("qwen3", torch.float32, True),
+                                               ("llama", torch.bfloat16, False)])
+def test_peft_round_trip_dense_base(tiny, tmp_path, arch, dtype, rslora):
+    d = tiny[arch]
+    spec = LoraSpec(r=4, alpha=8, use_rslora=rslora, target_modules=["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"])
+    ours, _ = load_model(str(d), quantization="bf16", dtype=dtype, lora=spec)
+    _randomize(ours)
+    out = save_peft_adapter(ours, tmp_path / "adapter", base_model_name_or_path="org/base")
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    assert cfg["r"] == 4 and cfg["lora_alpha"] == 8 and cfg["use_rslora"] is rslora
+    assert cfg["base_model_name_or_path"] == "org/base" and cfg["peft_type"] == "LORA"
+    assert sorted(cfg["target_modules"]) == sorted(spec.target_modules)
+    ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(d, dtype=dtype), str(out))
+    ids = _ids(1)
+    with torch.no_grad():
+        want = ref(ids).logits.float()
+    got = _logits(ours, ids)
+    with lora_disabled(ours):
+        base = _logits(ours, ids)
+    assert (got - base).abs().max() > 0.05  # the adapter matters
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=3e-5, rtol=1e-5)
+    else:
+        assert (got - want).abs().max() < 0.2 and (got - want).abs().mean() < 0.02
+
+
+def test_peft_round_trip_nvfp4_base(tiny, tmp_path):
+    """Our NVFP4 model == peft applied on transformers' model whose projections hold our
+    dequantized weights."""
+    d = tiny["qwen3"]
+    ours, _ = load_model(str(d), quantization="nvfp4", dtype=torch.float32, lora=LoraSpec(r=8, alpha=16))
+    _randomize(ours, 1)
+    save_peft_adapter(ours, tmp_path / "a", base_model_name_or_path=str(d))
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    with torch.no_grad():
+        for name, m in lora_modules(ours).items():
+            hf.get_submodule(name).weight.copy_(m.base.dequantize(torch.float32))
+    ref = PeftModel.from_pretrained(hf, str(tmp_path / "a"))
+    ids = _ids(2)
+    with torch.no_grad():
+        want = ref(ids).logits
+        with ref.disable_adapter():
+            want_base = ref(ids).logits
+    torch.testing.assert_close(_logits(ours, ids), want, atol=3e-5, rtol=1e-5)
+    with lora_disabled(ours):
+        torch.testing.assert_close(_logits(ours, ids), want_base, atol=3e-5, rtol=1e-5)
+
+
+def test_lora_disabled_and_fresh_adapter_give_the_base_exactly(tiny):
+    base, _ = load_model(str(tiny["llama"]), quantization="nvfp4")
+    ids = _ids(3)
+    ref = _logits(base, ids)
+    apply_lora(base, LoraSpec(r=4), seed=0)
+    assert torch.equal(_logits(base, ids), ref)  # B = 0: a fresh adapter is the base
+    _randomize(base)
+    assert not torch.equal(_logits(base, ids), ref)
+    with lora_disabled(base):
+        assert torch.equal(_logits(base, ids), ref)
+        with lora_disabled(base):
+            pass
+        assert torch.equal(_logits(base, ids), ref)  # nesting keeps it off
+    assert not torch.equal(_logits(base, ids), ref)  # back on after the block
+
+
+def test_init_trainable_params_and_dropout(tiny):
+    m, _ = load_model(str(tiny["llama"]), quantization="bf16", lora=LoraSpec(r=8, dropout=0.5, target_modules=["q_proj", "gate_proj"]))
+    mods = lora_modules(m)
+    assert sorted({n.rsplit(".", 1)[1] for n in mods}) == ["gate_proj", "q_proj"]
+    assert len(mods) == 2 * m.config.num_layers
+    for mod in mods.values():
+        bound = 1 / math.sqrt(mod.in_features)  # kaiming_uniform(a=sqrt(5)), PEFT's default
+        assert mod.lora_A.dtype == torch.float32 and mod.lora_A.abs().max() <= bound
+        assert mod.lora_A.std() > 0.3 * bound and torch.equal(mod.lora_B, torch.zeros_like(mod.lora_B))
+    trainable = [p for p in m.parameters() if p.requires_grad]
+    assert {id(p) for p in trainable} == {id(p) for p in adapter_params(m)}
+    _randomize(m)
+    ids = _ids(4)
+    m.eval()
+    assert torch.equal(_logits(m, ids), _logits(m, ids))
+    m.train()
+    assert not torch.equal(_logits(m, ids), _logits(m, ids))  # dropout only in training mode
+
+
+def test_state_dict_round_trip_and_mismatch_errors(tiny, tmp_path):
+    spec = LoraSpec(r=4)
+    a, _ = load_model(str(tiny["qwen3"]), quantization="bf16", lora=spec)
+    _randomize(a, 5)
+    sd = adapter_state_dict(a)
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in sd
+    b, _ = load_model(str(tiny["qwen3"]), quantization="bf16", lora=spec)
+    load_adapter_state_dict(b, sd)
+    ids = _ids(6)
+    assert torch.equal(_logits(a, ids), _logits(b, ids))
+    save_peft_adapter(a, tmp_path / "p", base_model_name_or_path="x")
+    c, _ = load_model(str(tiny["qwen3"]), quantization="bf16")
+    load_peft_adapter(c, tmp_path / "p")
+    assert torch.equal(_logits(a, ids), _logits(c, ids))
+    wrong, _ = load_model(str(tiny["qwen3"]), quantization="bf16", lora=LoraSpec(r=2))
+    with pytest.raises(ValueError, match="shape"):
+        load_adapter_state_dict(wrong, sd)
+    with pytest.raises(ValueError, match="already has LoRA"):
+        apply_lora(a, spec)
