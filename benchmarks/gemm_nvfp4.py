@@ -1,0 +1,225 @@
+"""NVFP4 weight-only GEMM vs torch bf16 matmul, same GPU, same run.
+
+Per layer shape (Qwen2.5 7B/14B/32B: fused qkv, o, fused gate_up, down) and activation rows M:
+time of ``x @ W.t()`` in bf16, time of ``engine.kernels.nvfp4_matmul``, their ratio, the TB/s our
+kernel reaches on the 0.5625 bytes/weight stream, and the ratio as a share of the 16/4.5 = 3.56x
+byte ceiling. Each timing is a CUDA graph of calls that rotate through >300 MB of weight copies
+(so L2 holds none of them), replayed many times, median of the replays per call.
+
+    python benchmarks/gemm_nvfp4.py                  # the table
+    python benchmarks/gemm_nvfp4.py --sweep          # fused-kernel configurations and crossovers
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.kernels import nvfp4_gemm as gemm  # noqa: E402
+
+SHAPES = {
+    "7b": {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)},
+    "14b": {"qkv": (7168, 5120), "o": (5120, 5120), "gate_up": (27648, 5120), "down": (5120, 13824)},
+    "32b": {"qkv": (7168, 5120), "o": (5120, 5120), "gate_up": (55296, 5120), "down": (5120, 27648)},
+}
+MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
+ROTATE_BYTES = 300e6
+CEILING = 16 / 4.5
+
+
+def time_calls(calls, reps: int = 15) -> float:
+    """Median microseconds per call of a CUDA graph that runs every call once."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in calls:
+            fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for fn in calls:
+                fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    del graph
+    return statistics.median(times)
+
+
+def copies(nbytes: float) -> int:
+    return max(2, int(-(-ROTATE_BYTES // nbytes)))
+
+
+def random_prepared(n: int, k: int) -> gemm.PreparedNVFP4:
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
+    scale = torch.exp2(torch.empty(n, k // 16, device="cuda").uniform_(-4, 4)).to(torch.float8_e4m3fn)
+    return gemm.prepare_tensors(packed, scale, torch.tensor([300.0], device="cuda"))
+
+
+def clone(p: gemm.PreparedNVFP4) -> gemm.PreparedNVFP4:
+    return gemm.PreparedNVFP4(p.wq.clone(), p.alpha.clone(), p.counters.clone(), p.n, p.k, p.alpha_value)
+
+
+class Layer:
+    """bf16 and NVFP4 copies of one shape, enough of each to rotate through ROTATE_BYTES."""
+
+    def __init__(self, n: int, k: int):
+        self.n, self.k = n, k
+        self.bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies(2 * n * k))]
+        base = random_prepared(n, k)
+        self.fp4 = [base] + [clone(base) for _ in range(copies(0.5625 * n * k) - 1)]
+
+    def time_bf16(self, x: torch.Tensor) -> float:
+        return time_calls([lambda w=w: torch.matmul(x, w.t()) for w in self.bf16])
+
+    def time_ours(self, x: torch.Tensor) -> float:
+        return time_calls([lambda p=p: gemm.nvfp4_matmul(x, p) for p in self.fp4])
+
+    def time_small(self, x: torch.Tensor, tnw: int, splits: int, prefetch: int | None = None) -> float:
+        m = x.shape[0]
+        outs = torch.empty(m, self.n, dtype=torch.bfloat16, device="cuda")
+        return time_calls([lambda p=p: gemm.gemm_small_into(x, p, outs, tnw=tnw, splits=splits, prefetch=prefetch)
+                           for p in self.fp4])
+
+    def time_large(self, x: torch.Tensor) -> float:
+        return time_calls([lambda p=p: gemm._scaled_mm(x, gemm._weights(p, x).t(), p.alpha_value)
+                           for p in self.fp4])
+
+    def time_dequant(self) -> float:
+        w = torch.empty(self.n, self.k, dtype=torch.bfloat16, device="cuda")
+        return time_calls([lambda p=p: gemm.dequant_into(p, w) for p in self.fp4])
+
+
+def path(m: int, layer: Layer) -> str:
+    if not gemm.use_fused(m, layer.n, layer.k):
+        return "dequant+cuBLAS"
+    mt, tnw, splits, _ = gemm.small_config(m, layer.fp4[0], torch.device("cuda"))
+    return f"fused mt{mt} w{tnw} s{splits}"
+
+
+def shapes(models):
+    """(model, layer, n, k) without repeats (14B and 32B share qkv and o)."""
+    seen = set()
+    for model in models:
+        for name, (n, k) in SHAPES[model].items():
+            if (n, k) not in seen:
+                seen.add((n, k))
+                yield model, name, n, k
+
+
+def table(models, ms, out_json):
+    rows = []
+    for model, name, n, k in shapes(models):
+        layer = Layer(n, k)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            tb, tq = layer.time_bf16(x), layer.time_ours(x)
+            ratio = tb / tq
+            rows.append(dict(model=model, layer=name, n=n, k=k, m=m, bf16_us=tb, ours_us=tq, ratio=ratio,
+                             tbps=0.5625 * n * k / tq / 1e6, ceiling_pct=100 * ratio / CEILING, path=path(m, layer)))
+            r = rows[-1]
+            print(f"{model:>4} {name:>7} {n:>6}x{k:<6} M={m:<5} bf16 {tb:9.1f} us  ours {tq:9.1f} us  "
+                  f"x{ratio:5.2f}  {r['tbps']:5.2f} TB/s  {r['ceiling_pct']:5.1f}%  {r['path']}", flush=True)
+        del layer
+        torch.cuda.empty_cache()
+    if out_json:
+        Path(out_json).write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def sweep(models, ms, out_json):
+    """Per shape and M: the automatic fused configuration with L2 prefetch 0/2/4 groups, its
+    neighbours (weight tiles per warp, K splits), and the dequantize + cuBLAS path."""
+    rows = []
+    for model, name, n, k in shapes(models):
+        layer = Layer(n, k)
+        p = layer.fp4[0]
+        print(f"{model} {name} {n}x{k}: dequant pass {layer.time_dequant():.1f} us", flush=True)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            tb, tl = layer.time_bf16(x), layer.time_large(x)
+            _, tnw0, s0, _ = gemm.small_config(m, p, x.device)
+            pf = {f: layer.time_small(x, tnw0, s0, f) for f in (0, 2, 4)}
+            res = {}
+            for tnw in {1, 2, tnw0}:
+                if (gemm._m_tiles(m), tnw) not in gemm._VARIANTS:
+                    continue
+                auto = gemm.small_config(m, p, x.device, tnw)[2]
+                for splits in {max(1, auto // 2), auto, 2 * auto}:
+                    eff = gemm.small_config(m, p, x.device, tnw, splits)[2]
+                    if (tnw, eff) not in res:
+                        res[(tnw, eff)] = layer.time_small(x, tnw, eff)
+            best = min(res.items(), key=lambda kv: kv[1])
+            print(f"  M={m:<4} bf16 {tb:7.1f} cuBLAS-path {tl:7.1f} x{tb / tl:4.2f} | auto w{tnw0} s{s0} pf0 {pf[0]:6.1f} "
+                  f"pf2 {pf[2]:6.1f} pf4 {pf[4]:6.1f} (x{tb / min(pf.values()):4.2f}) | best w{best[0][0]} s{best[0][1]} "
+                  f"{best[1]:6.1f} | fused={gemm.use_fused(m, n, k)}", flush=True)
+            rows.append(dict(model=model, layer=name, n=n, k=k, m=m, bf16_us=tb, large_us=tl, auto=[tnw0, s0],
+                             prefetch={str(f): v for f, v in pf.items()},
+                             fused={f"w{a}s{b}": v for (a, b), v in res.items()}))
+        del layer
+        torch.cuda.empty_cache()
+    if out_json:
+        Path(out_json).write_text(json.dumps(rows, indent=1))
+
+
+def profile(spec: str) -> None:
+    """A few plain launches of one configuration (n,k,m[,tnw,splits]) for a profiler to catch."""
+    n, k, m, *cfg = (int(v) for v in spec.split(","))
+    p = random_prepared(n, k)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    tnw, splits = (cfg + [None, None])[:2]
+    print("config", gemm.small_config(m, p, x.device, tnw, splits))
+    for _ in range(3):
+        gemm.gemm_small_into(x, p, out, tnw=tnw, splits=splits)
+    w = torch.empty(n, k, dtype=torch.bfloat16, device="cuda")
+    gemm.dequant_into(p, w)
+    torch.cuda.synchronize()
+
+
+def summary(rows):
+    print("\nsummary: ratio bf16/ours (>1 = faster), rows = layer, columns = M")
+    ms = sorted({r["m"] for r in rows})
+    print(f"{'layer':>16} " + " ".join(f"{m:>6}" for m in ms))
+    keys = dict.fromkeys((r["model"], r["layer"]) for r in rows)
+    for model, name in keys:
+        by_m = {r["m"]: r["ratio"] for r in rows if r["model"] == model and r["layer"] == name}
+        print(f"{model + ' ' + name:>16} " + " ".join(f"{by_m.get(m, float('nan')):6.2f}" for m in ms))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="7b,14b,32b")
+    ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--profile", default="", help="n,k,m[,tnw,splits]: launch one configuration a few times")
+    args = ap.parse_args()
+    models = args.models.split(",")
+    ms = [int(v) for v in args.ms.split(",")]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  SMs "
+          f"{torch.cuda.get_device_properties(0).multi_processor_count}  L2 prefetch {gemm.PREFETCH_GROUPS} groups from M={gemm._PREFETCH_MIN_M}", flush=True)
+    if args.profile:
+        profile(args.profile)
+    elif args.sweep:
+        sweep(models, ms, args.json)
+    else:
+        summary(table(models, ms, args.json))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Build the CUDA kernels at first use (nvcc, sm_90a) and load them with ctypes.
+
+The CUDA file includes no torch headers and exports plain C functions, so it builds in seconds
+with nvcc alone and does not depend on torch's C++ ABI; the result is cached under
+``$QERL_CACHE_DIR/kernels`` (or ``~/.cache/qerl/kernels``) by a hash of the source, the flags and
+the compiler's version. Importing this module needs neither a compiler nor a GPU.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("nvfp4_gemm.cu")
+FLAGS = ["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-lineinfo", "-shared", "-Xcompiler", "-fPIC"]
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int
+_SIGNATURES = {
+    "qerl_nvfp4_gemm_small": [_I, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P],
+    "qerl_nvfp4_occupancy": [_I, _I],
+    "qerl_nvfp4_dequant": [_P, _P, _I, _I, _I, _I, _P],
+    "qerl_nvfp4_error_string": [_I],
+}
+
+
+def _nvcc() -> str | None:
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and (Path(home) / "bin" / "nvcc").exists():
+        return str(Path(home) / "bin" / "nvcc")
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    default = Path("/usr/local/cuda/bin/nvcc")
+    return str(default) if default.exists() else None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("QERL_CACHE_DIR")
+    base = Path(root) if root else Path.home() / ".cache" / "qerl"
+    return base / "kernels"
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the kernels (or reuse the cached build) and return the shared library's path."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        raise RuntimeError("nvcc not found: install the CUDA toolkit or set CUDA_HOME to build the NVFP4 kernels")
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    digest = hashlib.sha256((SOURCE.read_text() + " ".join(FLAGS) + version).encode()).hexdigest()[:16]
+    out_dir = _cache_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = out_dir / f"qerl_nvfp4_{digest}.so"
+    if target.exists():
+        return target
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        cmd = [nvcc, *FLAGS, "-o", tmp, str(SOURCE)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"building the NVFP4 kernels failed:\n{' '.join(cmd)}\n{res.stderr[-4000:]}")
+        if verbose:
+            log.info("built %s", target)
+        os.replace(tmp, target)  # atomic: concurrent builders agree on the file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (with one warning) when they cannot be built here."""
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("NVFP4 CUDA kernels unavailable, using the torch reference: %s", exc)
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_char_p if name == "qerl_nvfp4_error_string" else ctypes.c_int
+    return lib
+
+
+def check(lib: ctypes.CDLL, err: int, what: str) -> None:
+    if err != 0:
+        raise RuntimeError(f"{what} failed: CUDA error {err} ({lib.qerl_nvfp4_error_string(err).decode()})")

@@ -1,0 +1,507 @@
+// NVFP4 weights (e2m1 codes, one e4m3 scale per 16 inputs, one fp32 global scale) times bf16
+// activations on Hopper (sm_90), which has no FP4 tensor cores: a weight-only GEMM.
+//
+// Layout (made once by engine/kernels/nvfp4_layout.py; see there for the bit map): one
+// contiguous 2304-byte record per 16 rows x 256 inputs, i.e. 4 "chunks" of 64 inputs (512 bytes,
+// 16 per lane of a warp) followed by every lane's 8 bytes of scales (2 per chunk).
+// Lane (g = lane/4, t = lane%4) of a warp holds rows g and g+8 and the 16 inputs of block-scale
+// group t of the chunk. The inputs of the m16n8k16 MMA are permuted inside each chunk (the same
+// way for weights and activations), so each lane's activation fragments are 32 contiguous bytes
+// of X and its 32 weights share two scales.
+//
+// Dequantization: 8 codes of a 32-bit word become 4 bf16x2 with an and/rotate each; the three
+// code bits land on bf16 bits 6..8, which is the e2m1 value times 2^-126 (e=0 codes become bf16
+// subnormals). One bf16x2 multiply by (scale * 2^119), built from a scale byte with one integer
+// multiply-add, gives e2m1 * scale * 2^-7 exactly. The epilogue multiplies the fp32 sums by
+// alpha = 2^7 / global_scale.
+//
+// Small M (<= 128 rows): weights are the MMA's A operand (register), activations its B operand,
+// so the 16-row tile is the weight's and M only sets how many n=8 MMAs reuse one dequantized
+// fragment. Each warp streams its own records with a ring of 16-byte loads in flight (plus an
+// optional L2 prefetch further ahead); blocks of 8 warps share their K range, so activations are
+// reused through L1 (M <= 16) or a cp.async shared-memory double buffer (M > 16). When the N tiles alone
+// cannot fill the GPU, K is split across blocks: partial sums go to an fp32 workspace and the
+// last block of a column (an atomic ticket) adds them in a fixed order, so results are
+// deterministic. Large M: a dequantizing pass writes bf16 weights and cuBLAS does the product.
+#include <cuda_runtime.h>
+#include <cstdint>
+
+namespace {
+
+constexpr uint32_t kMask = 0x81C081C0u;       // bf16 sign bit 15 and bits 6..8, both halves
+constexpr uint32_t kScaleBias = 0x76807680u;  // exponent 237 in both halves
+constexpr int kWarps = 8;
+
+__device__ __forceinline__ uint32_t rotr(uint32_t x, int s) { return __funnelshift_r(x, x, s); }
+
+// 8 codes -> 4 bf16x2 holding e2m1 * 2^-126 (exact).
+__device__ __forceinline__ void unpack8(uint32_t q, uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                        uint32_t& r3) {
+  r0 = q & kMask;
+  r1 = rotr(q, 4) & kMask;
+  r2 = rotr(q, 10) & kMask;
+  r3 = (rotr(q, 14) & 0x00400040u) | (rotr(q, 6) & 0x81808180u);
+}
+
+__device__ __forceinline__ uint32_t bmul2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// A scale byte (e5m3, bias 9) broadcast to bf16x2 (scale * 2^119): byte * 16 + exponent 237.
+__device__ __forceinline__ uint32_t scale_pair(uint32_t s16, uint32_t sel) {
+  return __byte_perm(s16, 0u, sel) * 16u + kScaleBias;
+}
+
+__device__ __forceinline__ int4 ld_stream(const int4* p) {
+  int4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ int4 ld_x(const uint16_t* p) {
+  int4 r;
+  asm volatile("ld.global.nc.v4.s32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint16_t to_bf16(float v) {
+  uint16_t r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t word(const int4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// MMAs of half a chunk (k16 steps j = 2h, 2h+1); xh[mt] holds 16 bytes of activations.
+template <int MT, int TNW>
+__device__ __forceinline__ void half_mma(float (&acc)[TNW][MT][4], const int4 (&w)[TNW],
+                                         const uint32_t (&sg)[TNW], const uint32_t (&sg8)[TNW],
+                                         const int4* xh, int xstride, int h) {
+#pragma unroll
+  for (int jj = 0; jj < 2; ++jj) {
+    const int j = 2 * h + jj;
+    uint32_t a[TNW][4];
+#pragma unroll
+    for (int tn = 0; tn < TNW; ++tn) {
+      uint32_t r0, r1, r2, r3;
+      unpack8(word(w[tn], j), r0, r1, r2, r3);
+      a[tn][0] = bmul2(r0, sg[tn]);   // row g,   MMA inputs 2t, 2t+1
+      a[tn][1] = bmul2(r1, sg8[tn]);  // row g+8
+      a[tn][2] = bmul2(r2, sg[tn]);   // row g,   MMA inputs 2t+8, 2t+9
+      a[tn][3] = bmul2(r3, sg8[tn]);  // row g+8
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const int4 xv = xh[mt * xstride];
+      const uint32_t b0 = word(xv, 2 * jj), b1 = word(xv, 2 * jj + 1);
+#pragma unroll
+      for (int tn = 0; tn < TNW; ++tn) mma16816(acc[tn][mt], a[tn], b0, b1);
+    }
+  }
+}
+
+// Activation rows of one 64-input chunk staged in shared memory: row stride 144 bytes keeps a
+// warp's 16-byte reads (rows g, offsets 32t) free of bank conflicts.
+constexpr int kXRowBytes = 144;
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int src_bytes = valid ? 16 : 0;  // 0: fill with zeros
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(src_bytes));
+}
+
+template <int MT, int TNW>
+__device__ __forceinline__ void chunk_mma_smem(float (&acc)[1][TNW][MT][4], const int4 (&w)[TNW],
+                                               const uint32_t (&sg)[TNW], const uint32_t (&sg8)[TNW],
+                                               const char* xs, int g, int t) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    int4 xh[MT];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+      xh[mt] = *reinterpret_cast<const int4*>(xs + (mt * 8 + g) * kXRowBytes + 32 * t + 16 * h);
+    half_mma<MT, TNW>(acc[0], w, sg, sg8, xh, 1, h);
+  }
+}
+
+// One warp: TNW weight tiles over groups [g0, g1) of 4 chunks (256 inputs). Weights stream
+// through a ring of D chunks per tile (chunk c+D is requested once chunk c is used), scales a
+// group ahead; all addresses are a running pointer plus constant offsets. Activations: registers
+// a chunk ahead (MT <= 2) or a per-block shared-memory double buffer filled by cp.async (MT >= 4).
+template <int MT, int TNW, int D, bool SMEM>
+__global__ void __launch_bounds__(kWarps * 32, MT * TNW == 1 ? 4 : (MT * TNW <= 2 ? 3 : (MT * TNW <= 4 ? 2 : 1)))
+    gemm_small_kernel(const int4* __restrict__ wq, const uint16_t* __restrict__ x,
+                      uint16_t* __restrict__ y, float* __restrict__ ws, int* __restrict__ counters,
+                      const float* __restrict__ alpha_p, int M, int N, int K, int ldx, int ldy,
+                      int ntiles, int kg, int splits, int gps, int pf) {
+  constexpr int NACC = (MT * TNW == 1 && !SMEM) ? 2 : 1;  // two MMA chains when there is one
+  constexpr int kGroup = 144;                              // int4s per record: 4 x 512 B + 256 B
+  constexpr int kStage = MT * 8 * kXRowBytes;              // bytes of one shared-memory stage
+  constexpr int kPieces = SMEM ? MT * 8 * 8 / (kWarps * 32) : 1;  // 16-byte copies per thread
+  extern __shared__ __align__(16) char xsmem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int nt0 = (blockIdx.x * kWarps + warp) * TNW;
+  const int split = blockIdx.y;
+  const int g0 = split * gps;
+  const int g1 = min(kg, g0 + gps);
+  const int npad = ntiles * 16;
+  const bool active = nt0 < ntiles;
+
+  float acc[NACC][TNW][MT][4];
+#pragma unroll
+  for (int a = 0; a < NACC; ++a)
+#pragma unroll
+    for (int tn = 0; tn < TNW; ++tn)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[a][tn][mt][i] = 0.f;
+
+  if (g0 < g1 && (active || SMEM)) {
+    const int4* wptr[TNW];
+#pragma unroll
+    for (int tn = 0; tn < TNW; ++tn)
+      wptr[tn] = wq + ((size_t)(active ? nt0 + tn : 0) * kg + g0) * kGroup + lane;
+    // this lane's scales: the record's last 256 bytes, 8 per lane
+    auto sload = [&](int tn, int grp) {
+      int2 r;
+      const int2* p = reinterpret_cast<const int2*>(wptr[tn] - lane + grp * kGroup + 128) + lane;
+      asm volatile("ld.global.nc.L1::no_allocate.v2.s32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+      return r;
+    };
+    int4 wb[D][TNW];
+    int2 sc[TNW], sn[TNW];
+    if (active) {
+#pragma unroll
+      for (int tn = 0; tn < TNW; ++tn) {
+#pragma unroll
+        for (int d = 0; d < D; ++d) wb[d][tn] = ld_stream(wptr[tn] + d * 32);
+        sc[tn] = sload(tn, 0);
+      }
+    }
+    // activations: register path, lane (g, t) reads 32 bytes of row mt*8+g per chunk
+    const uint16_t* xptr[MT];
+    bool xok[MT];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const int tok = mt * 8 + g;
+      xok[mt] = tok < M && !SMEM;
+      xptr[mt] = x + (size_t)(xok[mt] ? tok : 0) * ldx + 16 * t + (size_t)g0 * 256;
+    }
+    int krem = K - 16 * t - g0 * 256;  // inputs left for this lane's first chunk
+    int4 xb[SMEM ? 1 : 2][SMEM ? 1 : MT][2];
+    auto xload = [&](int buf, int off_chunks, int kleft) {
+      if constexpr (!SMEM) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          xb[buf][mt][0] = make_int4(0, 0, 0, 0);
+          xb[buf][mt][1] = make_int4(0, 0, 0, 0);
+          if (xok[mt] && off_chunks * 64 < kleft) {
+            xb[buf][mt][0] = ld_x(xptr[mt] + off_chunks * 64);
+            xb[buf][mt][1] = ld_x(xptr[mt] + off_chunks * 64 + 8);
+          }
+        }
+      }
+    };
+    // shared-memory path: thread i copies pieces i, i+256, ... (row = piece/8, 16 bytes each)
+    const uint16_t* sptr[kPieces];
+    int srow_ok[kPieces], spiece[kPieces];
+#pragma unroll
+    for (int i = 0; i < kPieces; ++i) {
+      const int pc = threadIdx.x + i * kWarps * 32, row = pc >> 3;
+      spiece[i] = pc;
+      srow_ok[i] = SMEM && row < M;
+      sptr[i] = x + (size_t)(srow_ok[i] ? row : 0) * ldx + (pc & 7) * 8 + (size_t)g0 * 256;
+    }
+    int skrem = K - g0 * 256;
+    auto stage = [&](int off_chunks, int kleft, int buf) {
+      if constexpr (SMEM) {
+#pragma unroll
+        for (int i = 0; i < kPieces; ++i) {
+          const bool ok = srow_ok[i] && off_chunks * 64 + (spiece[i] & 7) * 8 < kleft;
+          const int row = spiece[i] >> 3;
+          cp_async16(xsmem + buf * kStage + row * kXRowBytes + (spiece[i] & 7) * 16,
+                     ok ? sptr[i] + off_chunks * 64 : x, ok);
+        }
+        asm volatile("cp.async.commit_group;");
+      }
+    };
+    if constexpr (SMEM) stage(0, skrem, 0);
+    else xload(0, 0, krem);
+
+    for (int gi = g0; gi < g1; ++gi) {
+      const bool more = gi + 1 < g1;
+      // L2 prefetch of the record pf groups ahead: 18 lines of 128 bytes, one per lane
+      if (pf > 0 && active && lane < 18 && gi + pf < g1) {
+#pragma unroll
+        for (int tn = 0; tn < TNW; ++tn)
+          asm volatile("prefetch.global.L2 [%0];" ::"l"(wptr[tn] - lane + pf * kGroup + lane * 8));
+      }
+      if (active && more) {
+#pragma unroll
+        for (int tn = 0; tn < TNW; ++tn) sn[tn] = sload(tn, 1);
+      }
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        uint32_t sg[TNW], sg8[TNW];
+#pragma unroll
+        for (int tn = 0; tn < TNW; ++tn) {
+          const uint32_t sw = (c < 2) ? (uint32_t)sc[tn].x : (uint32_t)sc[tn].y;
+          const uint32_t sel = (c & 1) ? 0x4242u : 0x4040u;
+          sg[tn] = scale_pair(sw, sel);
+          sg8[tn] = scale_pair(sw, sel + 0x0101u);
+        }
+        if constexpr (SMEM) {
+          if (c < 3 || more) {
+            stage(c + 1, skrem, (c + 1) & 1);  // chunk c+1 (the next group's chunk 0 at c = 3)
+            asm volatile("cp.async.wait_group 1;");
+          } else {
+            asm volatile("cp.async.wait_group 0;");
+          }
+          __syncthreads();
+          if (active) {
+            const char* xs = xsmem + (c & 1) * kStage;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              int4 xh[MT];
+#pragma unroll
+              for (int mt = 0; mt < MT; ++mt)
+                xh[mt] = *reinterpret_cast<const int4*>(xs + (mt * 8 + g) * kXRowBytes + 32 * t + 16 * h);
+              half_mma<MT, TNW>(acc[0], wb[c % D], sg, sg8, xh, 1, h);
+            }
+          }
+          __syncthreads();
+        } else {
+          if (c < 3 || more) xload((c + 1) & 1, c + 1, krem);
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            half_mma<MT, TNW>(acc[h % NACC], wb[c % D], sg, sg8, &xb[c & 1][0][h], 2, h);
+        }
+        // refill this ring slot with chunk c + D (of this group or the next)
+        if (active) {
+          if (c + D < 4) {
+#pragma unroll
+            for (int tn = 0; tn < TNW; ++tn) wb[c % D][tn] = ld_stream(wptr[tn] + (c + D) * 32);
+          } else if (more) {
+#pragma unroll
+            for (int tn = 0; tn < TNW; ++tn) wb[c % D][tn] = ld_stream(wptr[tn] + kGroup + (c + D - 4) * 32);
+          }
+        }
+      }
+#pragma unroll
+      for (int tn = 0; tn < TNW; ++tn) {
+        sc[tn] = sn[tn];
+        wptr[tn] += kGroup;
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) xptr[mt] += 256;
+#pragma unroll
+      for (int i = 0; i < kPieces; ++i) sptr[i] += 256;
+      krem -= 256;
+      skrem -= 256;
+    }
+  }
+  if constexpr (NACC == 2) {
+#pragma unroll
+    for (int tn = 0; tn < TNW; ++tn)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[0][tn][mt][i] += acc[NACC - 1][tn][mt][i];
+  }
+
+  const float alpha = __ldg(alpha_p);
+  if (splits == 1) {
+    if (!active) return;
+#pragma unroll
+    for (int tn = 0; tn < TNW; ++tn)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const int n = (nt0 + tn) * 16 + g, tok = mt * 8 + 2 * t;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int tk = tok + (i & 1), nn = n + 8 * (i >> 1);
+          if (tk < M && nn < N) y[(size_t)tk * ldy + nn] = to_bf16(acc[0][tn][mt][i] * alpha);
+        }
+      }
+    return;
+  }
+
+  // Split K: write this block's partial sums, then the last block of the column adds them.
+  if (active) {
+    float* part = ws + (size_t)split * M * npad;
+#pragma unroll
+    for (int tn = 0; tn < TNW; ++tn)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const int n = (nt0 + tn) * 16 + g, tok = mt * 8 + 2 * t;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int tk = tok + (i & 1), nn = n + 8 * (i >> 1);
+          if (tk < M) part[(size_t)tk * npad + nn] = acc[0][tn][mt][i];
+        }
+      }
+  }
+  __threadfence();
+  __syncthreads();
+  __shared__ int is_last;
+  if (threadIdx.x == 0) is_last = atomicAdd(&counters[blockIdx.x], 1) == splits - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  constexpr int kWidth = kWarps * TNW * 16;
+  const int nb = blockIdx.x * kWidth;
+  for (int i = threadIdx.x; i < M * kWidth; i += kWarps * 32) {
+    const int tk = i / kWidth, nn = nb + i % kWidth;
+    if (nn >= N) continue;
+    float sum = 0.f;
+    for (int sp = 0; sp < splits; ++sp) sum += __ldcg(ws + ((size_t)sp * M + tk) * npad + nn);
+    y[(size_t)tk * ldy + nn] = to_bf16(sum * alpha);
+  }
+  if (threadIdx.x == 0) counters[blockIdx.x] = 0;
+}
+
+// Weights back to bf16 [N, K] (times 2^-7, exact) for the cuBLAS path and the backward pass.
+// One thread per lane of a record (four 16-byte loads in flight); each chunk's 16 rows x 128
+// bytes go through shared memory so every store instruction writes whole 128-byte rows.
+__global__ void __launch_bounds__(256)
+    dequant_kernel(const int4* __restrict__ wq, uint16_t* __restrict__ w, int N, int K, int ntiles,
+                   int kg) {
+  constexpr int kRow = 144;  // padded smem row (bytes): conflict-free 16-byte writes and reads
+  __shared__ __align__(16) char tile[kWarps][16 * kRow];
+  const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const size_t grp = idx >> 5;
+  if (grp >= (size_t)ntiles * kg) return;  // whole warps leave together
+  const int gi = grp % kg, nt = grp / kg;
+  if (nt * 16 >= N || gi * 256 >= K) return;
+  char* sm = tile[threadIdx.x >> 5];
+  const int4* base = wq + grp * 144;
+  int4 q[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) q[c] = ld_stream(base + c * 32 + lane);
+  int2 sv;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.s32 {%0,%1}, [%2];"
+               : "=r"(sv.x), "=r"(sv.y)
+               : "l"(reinterpret_cast<const int2*>(base + 128) + lane));
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const int k0 = gi * 256 + c * 64;
+    if (k0 >= K) break;
+    const uint32_t sw = c < 2 ? (uint32_t)sv.x : (uint32_t)sv.y;
+    const uint32_t sel = (c & 1) ? 0x4242 : 0x4040;
+    const uint32_t sg = scale_pair(sw, sel), sg8 = scale_pair(sw, sel + 0x0101);
+    uint32_t row0[8], row1[8];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      uint32_t o0, o1, o2, o3;
+      unpack8(word(q[c], j), o0, o1, o2, o3);
+      row0[2 * j] = bmul2(o0, sg);
+      row0[2 * j + 1] = bmul2(o2, sg);
+      row1[2 * j] = bmul2(o1, sg8);
+      row1[2 * j + 1] = bmul2(o3, sg8);
+    }
+    int4* s0 = reinterpret_cast<int4*>(sm + g * kRow + 32 * t);
+    int4* s1 = reinterpret_cast<int4*>(sm + (g + 8) * kRow + 32 * t);
+    s0[0] = make_int4(row0[0], row0[1], row0[2], row0[3]);
+    s0[1] = make_int4(row0[4], row0[5], row0[6], row0[7]);
+    s1[0] = make_int4(row1[0], row1[1], row1[2], row1[3]);
+    s1[1] = make_int4(row1[4], row1[5], row1[6], row1[7]);
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int piece = lane + 32 * i, r = piece >> 3, col = (piece & 7) * 8;  // col in inputs
+      const int row = nt * 16 + r, k = k0 + col;
+      if (row < N && k < K)
+        *reinterpret_cast<int4*>(w + (size_t)row * K + k) =
+            *reinterpret_cast<const int4*>(sm + r * kRow + (piece & 7) * 16);
+    }
+    __syncwarp();
+  }
+}
+
+struct Variant {
+  void* fn;
+  int smem;
+};
+
+template <int MT, int TNW>
+Variant variant() {
+  constexpr bool kSmem = MT >= 4;
+  constexpr int kRing = TNW >= 2 ? 2 : 4;
+  return {reinterpret_cast<void*>(&gemm_small_kernel<MT, TNW, kRing, kSmem>),
+          kSmem ? 2 * MT * 8 * kXRowBytes : 0};
+}
+
+Variant pick(int mt, int tnw) {
+#define QERL_CASE(A, B) \
+  if (mt == A && tnw == B) return variant<A, B>();
+  QERL_CASE(1, 1) QERL_CASE(1, 2) QERL_CASE(1, 4)
+  QERL_CASE(2, 1) QERL_CASE(2, 2) QERL_CASE(2, 4)
+  QERL_CASE(4, 1) QERL_CASE(4, 2) QERL_CASE(4, 4)
+  QERL_CASE(8, 1) QERL_CASE(8, 2)
+  QERL_CASE(16, 1)
+#undef QERL_CASE
+  return {nullptr, 0};
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns a cudaError_t (0 = launched). mt: 8-row activation tiles (1, 2, 4, 8, 16);
+// tnw: 16-row weight tiles per warp (1, 2, 4); splits/gps: K split, groups (256 inputs) per split;
+// pf: L2 prefetch distance in groups (0: none).
+int qerl_nvfp4_gemm_small(int mt, int tnw, const void* wq, const void* x, void* y, void* ws,
+                          void* counters, const void* alpha, int M, int N, int K, int ldx, int ldy,
+                          int ntiles, int kg, int splits, int gps, int pf, void* stream) {
+  const Variant v = pick(mt, tnw);
+  if (v.fn == nullptr) return (int)cudaErrorInvalidValue;
+  dim3 grid((ntiles + kWarps * tnw - 1) / (kWarps * tnw), splits);
+  void* args[] = {&wq, &x, &y, &ws, &counters, &alpha, &M, &N, &K,
+                  &ldx, &ldy, &ntiles, &kg, &splits, &gps, &pf};
+  cudaError_t err = cudaLaunchKernel(v.fn, grid, dim3(kWarps * 32), args, v.smem,
+                                     static_cast<cudaStream_t>(stream));
+  if (err != cudaSuccess) return (int)err;
+  return (int)cudaGetLastError();
+}
+
+// Resident blocks per SM of one variant (0 if the variant does not exist).
+int qerl_nvfp4_occupancy(int mt, int tnw) {
+  const Variant v = pick(mt, tnw);
+  if (v.fn == nullptr) return 0;
+  int blocks = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, v.fn, kWarps * 32, v.smem) !=
+      cudaSuccess)
+    return 0;
+  return blocks;
+}
+
+int qerl_nvfp4_dequant(const void* wq, void* w, int N, int K, int ntiles, int kg, void* stream) {
+  const size_t threads = (size_t)ntiles * kg * 32;
+  const unsigned blocks = (unsigned)((threads + 255) / 256);
+  dequant_kernel<<<blocks, 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const int4*>(wq), static_cast<uint16_t*>(w), N, K, ntiles, kg);
+  return (int)cudaGetLastError();
+}
+
+const char* qerl_nvfp4_error_string(int err) { return cudaGetErrorString((cudaError_t)err); }
+
+}  // extern "C"

@@ -1,0 +1,262 @@
+"""y = x @ W^T and dx = dy @ W for a frozen NVFP4 weight, as torch custom ops.
+
+Two paths on Hopper, picked per call from the number of activation rows M and the layer size
+(``use_fused``, crossovers measured on H200):
+- small M (up to 16-64): the fused kernel (weights dequantized in registers, the MMA's A operand;
+  see nvfp4_gemm.cu), its K split and tiles per warp chosen from block counts measured on H200.
+- larger M: one pass dequantizes to bf16 and cuBLAS multiplies, with the global scale as the
+  GEMM's alpha so the output is rounded once.
+dx = dy @ W always takes the second path (training has large M; the base gets no gradient).
+Elsewhere (CPU, other GPUs, other dtypes, ``QERL_KERNELS=0``) the ops compute the same function
+in plain torch from the same repacked weights.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from engine.kernels import _build
+from engine.kernels import nvfp4_layout as layout
+
+SMALL_M_MAX = 128
+# Launch shape, measured on H200 (132 SMs; benchmarks/gemm_nvfp4.py --sweep): the blocks to aim
+# for by activation rows (K is split until the grid has about this many; split partial sums cost
+# more as M grows), two weight tiles per warp when one would already give _WIDE times that.
+_TARGET_BLOCKS = ((2, 800), (8, 320), (16, 300), (32, 200), (64, 120), (128, 120))
+_WIDE = 1.4
+_VARIANTS = {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (16, 1)}
+# L2 prefetch distance of the fused kernel in records of 256 inputs (0: off); measured to help
+# from M = 3 on and to cost 5-8% at M <= 2, where the kernel already keeps enough loads in flight.
+PREFETCH_GROUPS = int(os.environ.get("QERL_NVFP4_PREFETCH", "2"))
+_PREFETCH_MIN_M = 3
+
+
+@dataclass(eq=False)
+class PreparedNVFP4:
+    """A layer's weight in the kernel layout (nvfp4_layout) plus what each call needs."""
+
+    wq: torch.Tensor  # int32 [N/16, K/256, 576]
+    alpha: torch.Tensor  # fp32 [1]: 2^7 / global_scale
+    counters: torch.Tensor  # int32: split-K tickets, always zero between calls
+    n: int
+    k: int
+    alpha_value: float
+
+    @property
+    def ntiles(self) -> int:
+        return self.wq.shape[0]
+
+    @property
+    def kg(self) -> int:
+        return self.wq.shape[1]
+
+
+def prepare_tensors(
+    weight_packed: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor
+) -> PreparedNVFP4:
+    """Repack NVFP4 buffers (on their device) for the kernels."""
+    wq = layout.repack(weight_packed, weight_scale)
+    g = weight_global_scale.detach().float().reshape(-1)[:1]
+    alpha = (2.0**layout.WEIGHT_EXP2 / g).to(weight_packed.device)
+    counters = torch.zeros(-(-wq.shape[0] // 8), dtype=torch.int32, device=weight_packed.device)
+    n, k = weight_packed.shape[0], 2 * weight_packed.shape[1]
+    return PreparedNVFP4(wq, alpha, counters, n, k, float(alpha.item()))
+
+
+def prepare_model(model: torch.nn.Module) -> int:
+    """Repack every NVFP4 layer of a model now (after moving it to the GPU); returns how many."""
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "weight_packed") and hasattr(module, "weight_global_scale"):
+            prepare(module)
+            count += 1
+    return count
+
+
+def prepare(layer: torch.nn.Module) -> PreparedNVFP4:
+    """The layer's repacked weight, made once and cached on the layer (remade if it moves)."""
+    bufs = (layer.weight_packed, layer.weight_scale, layer.weight_global_scale)
+    key = tuple((b.device, b.data_ptr(), b._version) for b in bufs)
+    cached = getattr(layer, "_nvfp4_prepared", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    with torch.no_grad():
+        prepared = prepare_tensors(*bufs)
+    layer._nvfp4_prepared = (key, prepared)
+    return prepared
+
+
+# -- availability ------------------------------------------------------------------------------
+# Chosen at import; set False (or QERL_KERNELS=0) to force the torch path.
+ENABLED = os.environ.get("QERL_KERNELS", "1") != "0"
+
+
+@lru_cache(maxsize=None)
+def _is_hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def available(x: torch.Tensor) -> bool:
+    """True when the CUDA kernels run for x: bf16 on an sm_90 GPU, kernels built, not disabled."""
+    if not ENABLED or not x.is_cuda or x.dtype != torch.bfloat16:
+        return False
+    return _is_hopper(x.device.index if x.device.index is not None else torch.cuda.current_device()) and (
+        _build.library() is not None
+    )
+
+
+@lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# -- launches ----------------------------------------------------------------------------------
+def _m_tiles(m: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, -(-m // 8)))))
+
+
+def use_fused(m: int, n: int, k: int) -> bool:
+    """Fused kernel or dequantize + cuBLAS, from the crossovers measured on H200."""
+    weights = n * k
+    return m <= 16 or (m <= 32 and weights >= 20e6) or (m <= 64 and weights >= 40e6)
+
+
+def small_config(m: int, p: PreparedNVFP4, device: torch.device, tnw: int | None = None,
+                 splits: int | None = None) -> tuple[int, int, int, int]:
+    """(8-row activation tiles, weight tiles per warp, K splits, groups per split) for M rows."""
+    mt = _m_tiles(m)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    target = next(b for rows, b in _TARGET_BLOCKS if m <= rows) * _sm_count(index) / 132
+    if tnw is None:
+        wide = m <= 2 or -(-p.ntiles // 8) > _WIDE * target
+        tnw = 2 if wide and (mt, 2) in _VARIANTS else 1
+    if (mt, tnw) not in _VARIANTS:
+        raise ValueError(f"no fused kernel for {mt * 8} rows with {tnw} weight tiles per warp")
+    if splits is None:
+        blocks_x = -(-p.ntiles // (8 * tnw))
+        splits = max(1, min(p.kg, round(target / blocks_x)))
+    gps = -(-p.kg // max(1, splits))
+    return mt, tnw, -(-p.kg // gps), gps
+
+
+def _prefetch(m: int) -> int:
+    return PREFETCH_GROUPS if m >= _PREFETCH_MIN_M else 0
+
+
+def _stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def gemm_small_into(x2: torch.Tensor, p: PreparedNVFP4, out: torch.Tensor, *, tnw: int | None = None,
+                    splits: int | None = None, workspace: torch.Tensor | None = None,
+                    prefetch: int | None = None) -> torch.Tensor:
+    """Fused kernel into ``out`` [M, N] (bf16, row stride N) for x2 [M, K] bf16, M <= SMALL_M_MAX."""
+    m = x2.shape[0]
+    if m > SMALL_M_MAX or m < 1:
+        raise ValueError(f"the fused kernel takes 1..{SMALL_M_MAX} rows, got {m}")
+    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
+        x2 = x2.contiguous()
+    mt, tnw, splits, gps = small_config(m, p, x2.device, tnw, splits)
+    if splits > 1:
+        need = splits * m * p.ntiles * 16
+        if workspace is None or workspace.numel() < need:
+            workspace = torch.empty(need, dtype=torch.float32, device=x2.device)
+        ws_ptr = workspace.data_ptr()
+    else:
+        ws_ptr = 0
+    lib = _build.library()
+    err = lib.qerl_nvfp4_gemm_small(
+        mt, tnw, p.wq.data_ptr(), x2.data_ptr(), out.data_ptr(), ws_ptr, p.counters.data_ptr(),
+        p.alpha.data_ptr(), m, p.n, p.k, x2.stride(0), out.stride(0), p.ntiles, p.kg, splits, gps,
+        _prefetch(m) if prefetch is None else prefetch, _stream(x2.device),
+    )
+    _build.check(lib, err, "NVFP4 fused GEMM launch")
+    return out
+
+
+def dequant_into(p: PreparedNVFP4, out: torch.Tensor) -> torch.Tensor:
+    """bf16 [N, K] weights times 2^-7 (exact) into ``out``."""
+    lib = _build.library()
+    err = lib.qerl_nvfp4_dequant(p.wq.data_ptr(), out.data_ptr(), p.n, p.k, p.ntiles, p.kg, _stream(out.device))
+    _build.check(lib, err, "NVFP4 dequantize launch")
+    return out
+
+
+def _scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
+    """alpha * (a @ b) with one rounding (cuBLAS applies alpha to the fp32 sums)."""
+    return torch.addmm(a.new_empty(()), a, b, beta=0, alpha=alpha)
+
+
+def _weights(p: PreparedNVFP4, x: torch.Tensor) -> torch.Tensor:
+    if available(x):
+        return dequant_into(p, torch.empty(p.n, p.k, dtype=torch.bfloat16, device=x.device))
+    return layout.dequantize(p.wq, p.n, p.k)
+
+
+def _mm(x2: torch.Tensor, p: PreparedNVFP4) -> torch.Tensor:
+    if x2.shape[0] == 0:
+        return x2.new_zeros(0, p.n)
+    if available(x2):
+        if use_fused(x2.shape[0], p.n, p.k):
+            out = torch.empty(x2.shape[0], p.n, dtype=torch.bfloat16, device=x2.device)
+            return gemm_small_into(x2, p, out)
+        return _scaled_mm(x2, _weights(p, x2).t(), p.alpha_value)
+    w = _weights(p, x2).float()
+    return (x2.float() @ w.t() * p.alpha_value).to(x2.dtype)
+
+
+def _mm_t(dy2: torch.Tensor, p: PreparedNVFP4) -> torch.Tensor:
+    if available(dy2):
+        return _scaled_mm(dy2, _weights(p, dy2), p.alpha_value)
+    w = _weights(p, dy2).float()
+    return (dy2.float() @ w * p.alpha_value).to(dy2.dtype)
+
+
+# -- custom ops (opaque to torch.compile, capturable in CUDA graphs) ---------------------------
+@torch.library.custom_op("qerl::nvfp4_mm", mutates_args=())
+def _nvfp4_mm(x: torch.Tensor, wq: torch.Tensor, alpha: torch.Tensor, counters: torch.Tensor, n: int, k: int,
+              alpha_value: float) -> torch.Tensor:
+    p = PreparedNVFP4(wq, alpha, counters, n, k, alpha_value)
+    return _mm(x.reshape(-1, k), p).view(*x.shape[:-1], n)
+
+
+@_nvfp4_mm.register_fake
+def _(x, wq, alpha, counters, n, k, alpha_value):
+    return x.new_empty(*x.shape[:-1], n)
+
+
+@torch.library.custom_op("qerl::nvfp4_mm_t", mutates_args=())
+def _nvfp4_mm_t(dy: torch.Tensor, wq: torch.Tensor, n: int, k: int, alpha_value: float) -> torch.Tensor:
+    p = PreparedNVFP4(wq, dy.new_empty(0, dtype=torch.float32), dy.new_empty(0, dtype=torch.int32), n, k,
+                      alpha_value)
+    return _mm_t(dy.reshape(-1, n), p).view(*dy.shape[:-1], k)
+
+
+@_nvfp4_mm_t.register_fake
+def _(dy, wq, n, k, alpha_value):
+    return dy.new_empty(*dy.shape[:-1], k)
+
+
+def _prepared(obj: PreparedNVFP4 | torch.nn.Module) -> PreparedNVFP4:
+    return obj if isinstance(obj, PreparedNVFP4) else prepare(obj)
+
+
+def nvfp4_matmul(x: torch.Tensor, layer: PreparedNVFP4 | torch.nn.Module) -> torch.Tensor:
+    """x (..., K) @ W^T -> (..., N), W = e2m1 * scale / global_scale; ``layer`` is an NVFP4 layer
+    (repacked on first use, cached on it) or its PreparedNVFP4."""
+    p = _prepared(layer)
+    if x.shape[-1] != p.k:
+        raise ValueError(f"input has {x.shape[-1]} features, the layer takes {p.k}")
+    return torch.ops.qerl.nvfp4_mm(x, p.wq, p.alpha, p.counters, p.n, p.k, p.alpha_value)
+
+
+def nvfp4_matmul_t(dy: torch.Tensor, layer: PreparedNVFP4 | torch.nn.Module) -> torch.Tensor:
+    """dy (..., N) @ W -> (..., K): the input gradient of nvfp4_matmul."""
+    p = _prepared(layer)
+    if dy.shape[-1] != p.n:
+        raise ValueError(f"gradient has {dy.shape[-1]} features, the layer outputs {p.n}")
+    return torch.ops.qerl.nvfp4_mm_t(dy, p.wq, p.n, p.k, p.alpha_value)

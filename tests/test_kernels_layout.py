@@ -1,0 +1,95 @@
+"""NVFP4 kernel layout and the torch fallback, on CPU (the GPU kernels are in test_kernels_gpu.py).
+
+The repacked layout is dequantized here with the kernel's own bit operations and compared
+bit for bit with compressed-tensors' unpacking times the e4m3 scales.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+
+from engine import kernels
+from engine.kernels import nvfp4_layout as layout
+from engine.quant.base import FrozenLinear
+
+
+def random_nvfp4(n: int, k: int, gen: torch.Generator, special: bool = True):
+    """Every code, scales over the whole e4m3 range (zero, subnormal, negative blocks too)."""
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    log2 = torch.empty(n, k // 16).uniform_(-9.5, 8.8, generator=gen)
+    scale = torch.exp2(log2).to(torch.float8_e4m3fn)
+    if special:
+        bits = scale.view(torch.uint8)
+        bits[0, 0] = 0x00  # zero block
+        bits[-1, -1] = 0x03  # subnormal 3 * 2^-9
+        bits[n // 2, 0] = 0x80 | 0x38  # -1.0
+    gscale = torch.empty(1).uniform_(5.0, 500.0, generator=gen)
+    return packed, scale, gscale
+
+
+@pytest.mark.parametrize("n,k", [(16, 16), (40, 48), (64, 64), (100, 336), (130, 1040)])
+def test_repack_dequantizes_exactly(n, k):
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    packed, scale, _ = random_nvfp4(n, k, gen)
+    ref = unpack_fp4_from_uint8(packed, n, k, dtype=torch.float32) * scale.float().repeat_interleave(16, 1)
+    assert torch.equal(layout.reference_dequantize(packed, scale).float(), ref)
+    wq = layout.repack(packed, scale)
+    assert wq.shape == (-(-n // 64) * 4, -(-k // 256), 576)
+    got = layout.dequantize(wq, n, k).float() * 2.0**layout.WEIGHT_EXP2
+    assert torch.equal(got, ref)
+
+
+def test_nan_scale_is_rejected():
+    packed = torch.zeros(16, 8, dtype=torch.uint8)
+    scale = torch.ones(16, 1).to(torch.float8_e4m3fn)
+    scale.view(torch.uint8)[3, 0] = 0x7F
+    with pytest.raises(ValueError, match="NaN"):
+        layout.repack(packed, scale)
+
+
+class _KernelNVFP4(FrozenLinear):
+    """A minimal NVFP4 layer wired to the kernels the way NVFP4Linear is."""
+
+    fmt = "nvfp4"
+
+    def __init__(self, packed, scale, gscale):
+        super().__init__(2 * packed.shape[1], packed.shape[0], None)
+        self.register_buffer("weight_packed", packed)
+        self.register_buffer("weight_scale", scale)
+        self.register_buffer("weight_global_scale", gscale)
+
+    def _matmul(self, x):
+        return kernels.nvfp4_matmul(x, kernels.prepare(self))
+
+    def _matmul_t(self, dy):
+        return kernels.nvfp4_matmul_t(dy, kernels.prepare(self))
+
+
+def test_fallback_forward_backward_matches_float64():
+    gen = torch.Generator().manual_seed(3)
+    n, k = 72, 96
+    packed, scale, gscale = random_nvfp4(n, k, gen, special=False)
+    layer = _KernelNVFP4(packed, scale, gscale)
+    w = layout.reference_dequantize(packed, scale).double() / gscale.double()
+    x = torch.randn(2, 5, k, generator=gen).bfloat16().requires_grad_(True)
+    y = layer(x)
+    ref = x.detach().double() @ w.t()
+    assert y.shape == (2, 5, n) and y.dtype == torch.bfloat16
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 3e-3
+    dy = torch.randn(2, 5, n, generator=gen).bfloat16()
+    y.backward(dy)
+    dref = dy.double() @ w
+    assert ((x.grad.double() - dref).norm() / dref.norm()).item() < 3e-3
+    assert kernels.prepare(layer) is kernels.prepare(layer)  # cached on the layer
+
+
+def test_custom_ops_pass_opcheck():
+    gen = torch.Generator().manual_seed(4)
+    packed, scale, gscale = random_nvfp4(32, 64, gen, special=False)
+    p = kernels.prepare_tensors(packed, scale, gscale)
+    x = torch.randn(3, 64, generator=gen).bfloat16()
+    torch.library.opcheck(torch.ops.qerl.nvfp4_mm.default, (x, p.wq, p.alpha, p.counters, p.n, p.k, p.alpha_value))
+    dy = torch.randn(3, 32, generator=gen).bfloat16()
+    torch.library.opcheck(torch.ops.qerl.nvfp4_mm_t.default, (dy, p.wq, p.n, p.k, p.alpha_value))
+    assert not kernels.available(x)
