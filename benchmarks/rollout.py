@@ -1,0 +1,229 @@
+"""Rollout tokens/s on one GPU: NVFP4 vs bf16 base (+ NF4), same graph engine, random weights
+in Qwen2.5 shapes (engine.model.shapes).
+
+For each size and method the model is built once on the GPU; then for each LoRA rank (0 = no
+adapter) and batch, B random prompts of ``--prompt`` tokens generate ``--gen`` tokens each
+(temperature 1, no eos, so every row runs to the end) through engine.rollout.cuda_graph, after
+a warm-up that captures the graphs. Reported: total tokens/s (prefill included), decode
+tokens/s, peak memory, and for NVFP4 / bf16 their ratio. ``--bandwidth`` also measures the
+device-to-device copy bandwidth and the batch-1 bytes read per decode token (weights as the
+kernels read them, LoRA, lm_head, KV) to give the bandwidth limit.
+
+    python3 benchmarks/rollout.py --sizes 7b,32b --batches 1,8 --ranks 16 --gen 256 --bandwidth --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+
+import torch
+
+from engine.lora import LoRALinear, adapter_params, apply_lora
+from engine.model.shapes import NumberTokenizer, build_random_model, shape_config
+from engine.rollout import SamplingParams
+from engine.rollout.cuda_graph import GraphRollout
+from engine.spec import LoraSpec
+
+
+def copy_bandwidth(gb: float = 4.0) -> float:
+    """Device-to-device copy, bytes read + written per second (median of 10)."""
+    n = int(gb * 2**30) // 2
+    a = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    times = []
+    for i in range(13):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    return 2 * n * 2 / sorted(times)[len(times) // 2]
+
+
+def remove_lora(model) -> None:
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, m in list(parent.named_children()):
+                if isinstance(m, LoRALinear):
+                    setattr(parent, name, m.base)
+    model.__dict__.pop("lora_spec", None)
+
+
+def set_lora(model, r: int, seed: int = 0) -> None:
+    remove_lora(model)
+    if r > 0:
+        apply_lora(model, LoraSpec(r=r), seed=seed)
+        with torch.no_grad():
+            g = torch.Generator(device=adapter_params(model)[0].device).manual_seed(seed)
+            for p in adapter_params(model):
+                if p.shape[1] == r:  # B is zero at init; a trained adapter is not
+                    p.normal_(0, 1e-3, generator=g)
+
+
+def bytes_per_token(eng: GraphRollout, b: int, s: int) -> dict[str, int]:
+    """Bytes one decode step reads: base weights as stored for the GEMM, LoRA, lm_head, KV."""
+    w = lora = 0
+    for L in eng.layers:
+        for g in (L.qkv, L.o, L.gu, L.down):
+            if g.mode == "nvfp4":
+                w += g.prepared.wq.numel() * 4
+            elif g.mode == "dense":
+                w += g.weight.numel() * g.weight.element_size()
+            else:
+                w += sum(p.numel() * p.element_size() for bb in g.bases for p in bb.buffers())
+            if g.lora:
+                lora += (g.a_cat.numel() + g.b_blk.numel()) * 4
+    cfg = eng.cfg
+    head = eng.model.lm_head.weight
+    kv = b * cfg.num_layers * 2 * cfg.num_kv_heads * s * cfg.head_dim * 2
+    return {"weights": w, "lora": lora, "lm_head": head.numel() * head.element_size(), "kv": kv}
+
+
+def run_config(model, method: str, size: str, r: int, b: int, args, log) -> dict:
+    cuda = args.device == "cuda"
+    g = torch.Generator().manual_seed(b)
+    prompts = [torch.randint(1, model.config.vocab_size, (args.prompt,), generator=g).tolist() for _ in range(b)]
+    params = SamplingParams(max_new_tokens=args.gen, temperature=1.0, eos_token_ids=[-1])
+    max_len = -(-(args.prompt + args.gen) // 256) * 256
+    eng = GraphRollout(model, max_batch=b, max_len=max_len)
+    tok = NumberTokenizer()
+    warm = SamplingParams(max_new_tokens=min(args.gen, 4), temperature=1.0, eos_token_ids=[-1])
+    eng.generate(tok, prompts, warm, generator=torch.Generator(args.device).manual_seed(0))
+    eng.capture(b, args.prompt, args.prompt + args.gen)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    best = None
+    for rep in range(args.repeats):
+        t0 = time.perf_counter()
+        out = eng.generate(tok, prompts, params, generator=torch.Generator(args.device).manual_seed(rep))
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        st = eng.stats
+        row = {"size": size, "method": method, "rank": r, "batch": b, "prompt": args.prompt, "gen": args.gen,
+               "tokens": sum(c.num_tokens for c in out), "wall_s": wall, "prefill_s": st.prefill_s,
+               "decode_s": st.decode_s, "steps": st.steps, "captured_in_run": st.graphs_captured,
+               "ops": st.ops, "graphs": st.graphs}
+        row["tok_s"] = row["tokens"] / wall
+        row["decode_tok_s"] = b * st.steps / st.decode_s if st.decode_s else 0.0
+        row["ms_per_step"] = 1e3 * st.decode_s / max(1, st.steps)
+        row.update(st.extra)
+        if best is None or row["wall_s"] < best["wall_s"]:
+            best = row
+    best["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+    if args.bandwidth and b == 1:
+        best["bytes"] = bytes_per_token(eng, b, max_len)
+    del eng
+    log(best)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="7b,32b")
+    ap.add_argument("--methods", default="nvfp4,bf16")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--ranks", default="16")
+    ap.add_argument("--extra-batches", default="", help="run after the main batches while time is left")
+    ap.add_argument("--extra-ranks", default="", help="run (main batches) after the rest while time is left")
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--gen", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--layers", type=int, default=0, help="override the layer count (quick runs)")
+    ap.add_argument("--bandwidth", action="store_true")
+    ap.add_argument("--deadline", type=float, default=0, help="seconds; skip configs once past it")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--device", default="cuda", help="cpu: a functional dry run (no timings worth reading)")
+    args = ap.parse_args()
+    start = time.perf_counter()
+    cuda = args.device == "cuda"
+    results: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "args": vars(args),
+                     "rows": [], "skipped": []}
+
+    def save():
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+
+    def log(row):
+        results["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        save()
+
+    def late() -> bool:
+        return bool(args.deadline) and time.perf_counter() - start > args.deadline
+
+    if args.bandwidth and cuda:
+        results["copy_bw"] = copy_bandwidth()
+        print(f"copy bandwidth {results['copy_bw'] / 1e12:.2f} TB/s", flush=True)
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    for size in args.sizes.split(","):
+        for method in args.methods.split(","):
+            if late():
+                results["skipped"].append(f"{size} {method}: out of time")
+                continue
+            t0 = time.perf_counter()
+            over = {"num_layers": args.layers} if args.layers else {}
+            model = build_random_model(shape_config(size, **over), quantization=method, device=args.device)
+            mem = 0.0
+            if cuda:
+                torch.cuda.synchronize()
+                mem = torch.cuda.memory_allocated() / 2**30
+            print(f"built {size} {method} in {time.perf_counter() - t0:.1f}s, {mem:.1f} GiB", flush=True)
+            plan = [(r, b) for r in ints(args.ranks) for b in ints(args.batches)]
+            plan += [(r, b) for r in ints(args.ranks) for b in ints(args.extra_batches)]
+            plan += [(r, b) for r in ints(args.extra_ranks) for b in ints(args.batches)]
+            current = None
+            for r, b in plan:
+                if late():
+                    results["skipped"].append(f"{size} {method} r={r} b={b}: out of time")
+                    continue
+                if r != current:
+                    set_lora(model, r)
+                    current = r
+                try:
+                    run_config(model, method, size, r, b, args, log)
+                except torch.cuda.OutOfMemoryError as exc:
+                    results["skipped"].append(f"{size} {method} r={r} b={b}: out of memory ({exc})"[:300])
+                except Exception as exc:  # keep measuring the other configurations
+                    results["skipped"].append(f"{size} {method} r={r} b={b}: {type(exc).__name__}: {exc}"[:500])
+                    print("FAILED", results["skipped"][-1], flush=True)
+                gc.collect()
+                if cuda:
+                    torch.cuda.empty_cache()
+            del model
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+    save()
+    summarize(results)
+
+
+def summarize(results: dict) -> None:
+    rows = results["rows"]
+    print("\nsize method  r   B  tok/s(total)  tok/s(decode)  ms/step  peak GiB  nvfp4/bf16(total, decode)")
+    for x in rows:
+        ratio = ""
+        if x["method"] == "nvfp4":
+            ref = [y for y in rows if y["method"] == "bf16" and all(y[k] == x[k] for k in ("size", "rank", "batch"))]
+            if ref:
+                ratio = f"{x['tok_s'] / ref[0]['tok_s']:.2f}x, {x['decode_tok_s'] / ref[0]['decode_tok_s']:.2f}x"
+        print(f"{x['size']:>4} {x['method']:>6} {x['rank']:>2} {x['batch']:>3} {x['tok_s']:>12.1f} "
+              f"{x['decode_tok_s']:>14.1f} {x['ms_per_step']:>8.2f} {x['peak_gb']:>9.1f}  {ratio}")
+        if "bytes" in x and "copy_bw" in results:
+            total = sum(x["bytes"].values())
+            limit = results["copy_bw"] / total
+            print(f"     bytes/token {total / 1e9:.2f} GB ({', '.join(f'{k} {v / 1e9:.2f}' for k, v in x['bytes'].items())})"
+                  f" -> limit {limit:.0f} tok/s at {results['copy_bw'] / 1e12:.2f} TB/s; "
+                  f"decode reaches {x['decode_tok_s'] / limit:.0%}")
+    for s in results["skipped"]:
+        print("skipped:", s)
+
+
+if __name__ == "__main__":
+    main()

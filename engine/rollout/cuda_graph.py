@@ -1,0 +1,501 @@
+"""GPU rollouts: static KV cache, the decode step captured in a CUDA graph per batch bucket.
+
+Same contract and sampling as engine.rollout.native.generate (prompts sorted by length,
+sub-batches of ``max_batch``, left-padded prefill, sampler log-probs, eos / stop strings /
+max_new_tokens / should_stop per sequence, one Completion per prompt in prompt order); what
+changes is how a decode token is computed:
+
+- one preallocated KV cache (layers, B_max, kv, S, D); a sub-batch of n rows uses rows [0, b)
+  of it, b = the power-of-two bucket >= n. Finished rows keep their row until the live rows fit
+  a smaller bucket; then the live rows are moved to the front and decoding continues there.
+- the step reads its inputs from static buffers (tokens, positions, write column, key mask) and
+  advances them itself, so a captured graph replays step after step; one graph per
+  (bucket, attention length rounded up to ``len_bucket``). Sampling stays eager (same
+  generator use as the eager sampler).
+- q/k/v and gate/up run as one GEMM each: NVFP4 weights repacked once into one fused kernel
+  operand, whose row ranges are the members' own operands (no second copy); bf16 weights become
+  views into one concatenated tensor. The LoRA stays unmerged: its shrink is one matmul per
+  group on the concatenated A's, its expand one matmul on a block-diagonal B (scaling folded
+  in), refreshed from the live parameters at the start of every call, like the RMSNorm weights
+  with their AQN noise (no re-quantization).
+- the element-wise work between GEMMs (bias and LoRA epilogues, residual add + RMSNorm,
+  RoPE + cache write, SiLU * up) is one fused kernel per group on Hopper (fused_ops.CudaOps).
+
+On CPU (tests) the same code runs eagerly with TorchOps and dense fused weights.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.lora import LoRALinear
+from engine.model.cache import KVCache
+from engine.quant.base import FrozenLinear
+from engine.rollout.fused_ops import pick_ops
+from engine.rollout.native import _empty
+from engine.rollout.params import Completion, SamplingParams
+from engine.rollout.sampler import sample_next
+from engine.rollout.stops import StopStrings
+
+log = logging.getLogger(__name__)
+
+GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj",)),
+          ("mlp", ("gate_proj", "up_proj")), ("mlp", ("down_proj",)))
+
+
+def _bucket(n: int, cap: int) -> int:
+    return min(cap, 1 << max(0, (n - 1).bit_length()))
+
+
+class _Group:
+    """One fused projection of one layer: base GEMM (no bias) + bias + LoRA delta."""
+
+    def __init__(self, parent: nn.Module, names: tuple[str, ...], *, use_kernels: bool, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.members = [getattr(parent, n) for n in names]
+        self.bases: list[FrozenLinear] = [m.base if isinstance(m, LoRALinear) else m for m in self.members]
+        self.sizes = [b.out_features for b in self.bases]
+        self.n, self.k = sum(self.sizes), self.bases[0].in_features
+        fmts = {b.fmt for b in self.bases}
+        self.mode, self.prepared, self.weight = "each", None, None
+        if fmts == {"nvfp4"} and use_kernels and self._same_global_scale():
+            self._fuse_nvfp4()
+        elif fmts == {"bf16"}:
+            self._fuse_dense_views()
+        elif fmts == {"nvfp4"} and device.type == "cpu":
+            self.mode = "dense"  # as native's CPU path: the base dequantized once (engine.rollout.dense)
+            self.weight = torch.cat([b.dequantize(dtype) for b in self.bases])
+        biases = [b.bias for b in self.bases]
+        if all(x is None for x in biases):
+            self.bias = None
+        else:
+            self.bias = torch.cat([x.to(dtype) if x is not None else torch.zeros(s, dtype=dtype, device=device)
+                                   for x, s in zip(biases, self.sizes)])
+        self.loras = [m if isinstance(m, LoRALinear) else None for m in self.members]
+        self.ranks = [m.lora_A.shape[0] if m is not None else 0 for m in self.loras]
+        self.lora = any(self.ranks)
+        if self.lora:
+            r = sum(self.ranks)
+            self.a_cat = torch.zeros(r, self.k, dtype=torch.float32, device=device)  # (R, K)
+            self.b_blk = torch.zeros(self.n, r, dtype=torch.float32, device=device)  # (N, R) block-diagonal
+
+    def _same_global_scale(self) -> bool:
+        g = [b.weight_global_scale for b in self.bases]
+        return all(torch.equal(g[0], x) for x in g[1:])
+
+    def _fuse_nvfp4(self) -> None:
+        from engine.kernels import PreparedNVFP4, prepare_tensors
+
+        bs = self.bases
+        if len(bs) == 1:
+            from engine.kernels import prepare
+
+            self.prepared, self.mode = prepare(bs[0]), "nvfp4"
+            return
+        packed = torch.cat([b.weight_packed for b in bs])
+        scale = torch.cat([b.weight_scale.view(torch.uint8) for b in bs]).view(torch.float8_e4m3fn)
+        fused = prepare_tensors(packed, scale, bs[0].weight_global_scale)
+        del packed, scale
+        self.prepared, self.mode = fused, "nvfp4"
+        if all(s % 64 == 0 for s in self.sizes):  # each member's operand is a row range of the fused one
+            row = 0
+            for b, s in zip(bs, self.sizes):
+                bufs = (b.weight_packed, b.weight_scale, b.weight_global_scale)
+                key = tuple((t.device, t.data_ptr(), t._version) for t in bufs)
+                counters = torch.zeros(-(-(s // 16) // 8), dtype=torch.int32, device=packed_device(b))
+                view = PreparedNVFP4(fused.wq[row // 16:(row + s) // 16], fused.alpha, counters, s, self.k,
+                                     fused.alpha_value)
+                b._nvfp4_prepared = (key, view)
+                row += s
+
+    def _fuse_dense_views(self) -> None:
+        if len(self.bases) == 1:
+            self.weight, self.mode = self.bases[0].weight, "dense"
+            return
+        w = torch.cat([b.weight for b in self.bases])
+        row = 0
+        for b, s in zip(self.bases, self.sizes):
+            b.weight = w[row:row + s]  # the member now reads the fused tensor: one copy
+            row += s
+        self.weight, self.mode = w, "dense"
+
+    def refresh(self) -> None:
+        """Copy the live LoRA weights (scaling folded into B; a disabled adapter adds 0)."""
+        if not self.lora:
+            return
+        r0, n0 = 0, 0
+        for m, r, s in zip(self.loras, self.ranks, self.sizes):
+            if m is not None:
+                self.a_cat[r0:r0 + r].copy_(m.lora_A)
+                blk = self.b_blk[n0:n0 + s, r0:r0 + r]
+                if m.disabled:
+                    blk.zero_()
+                else:
+                    torch.mul(m.lora_B, m.scaling, out=blk)
+            r0, n0 = r0 + r, n0 + s
+
+    def base(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, K) -> (B, N) without bias."""
+        if self.mode == "nvfp4":
+            from engine.kernels import nvfp4_matmul
+
+            return nvfp4_matmul(x, self.prepared)
+        if self.mode == "dense":
+            return torch.matmul(x, self.weight.t())
+        return torch.cat([b._matmul(x) for b in self.bases], dim=-1)
+
+    def delta(self, x32: torch.Tensor | None) -> torch.Tensor | None:
+        """The LoRA term (B, N) fp32 from the fp32 input, or None."""
+        if not self.lora:
+            return None
+        return torch.mm(torch.mm(x32, self.a_cat.t()), self.b_blk.t())
+
+
+def packed_device(layer: nn.Module) -> torch.device:
+    return layer.weight_packed.device
+
+
+@dataclass
+class _Layer:
+    qkv: _Group
+    o: _Group
+    gu: _Group
+    down: _Group
+    w_in: torch.Tensor  # fp32 (H,): input_layernorm weight + AQN noise
+    w_post: torch.Tensor
+    norm_in: nn.Module
+    norm_post: nn.Module
+    q_norm: nn.Module | None
+    k_norm: nn.Module | None
+
+
+@dataclass
+class RolloutStats:
+    """Timings of the last ``generate`` call (seconds; decode includes sampling)."""
+
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    steps: int = 0
+    tokens: int = 0
+    graphs_captured: int = 0
+    ops: str = ""
+    graphs: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+class GraphRollout:
+    """The decode engine of one model. Build once (``engine_for``); ``generate`` per rollout."""
+
+    def __init__(self, model: nn.Module, *, max_batch: int = 64, max_len: int = 2048, use_graphs: bool | None = None,
+                 fused_ops: bool | None = None, len_bucket: int = 256) -> None:
+        self.model = model
+        cfg = model.config
+        self.cfg, self.device, self.dtype = cfg, model.device, model.dtype
+        self.max_batch, self.max_len, self.len_bucket = max_batch, max_len, len_bucket
+        self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        self.ops = pick_ops(self.device, self.dtype, qk_norm=cfg.qk_norm, head_dim=cfg.head_dim, fused=fused_ops)
+        import engine.quant.nvfp4 as nvfp4
+
+        use_kernels = False
+        if nvfp4.use_kernels and self.device.type == "cuda":
+            from engine.kernels import available
+
+            use_kernels = available(torch.empty(1, 16, dtype=self.dtype, device=self.device))
+        with torch.no_grad():
+            self.layers = []
+            for layer in model.model.layers:
+                groups = [_Group(getattr(layer, p), names, use_kernels=use_kernels, device=self.device,
+                                 dtype=self.dtype) for p, names in GROUPS]
+                h = cfg.hidden_size
+                self.layers.append(_Layer(*groups, w_in=torch.empty(h, dtype=torch.float32, device=self.device),
+                                          w_post=torch.empty(h, dtype=torch.float32, device=self.device),
+                                          norm_in=layer.input_layernorm, norm_post=layer.post_attention_layernorm,
+                                          q_norm=layer.self_attn.q_norm, k_norm=layer.self_attn.k_norm))
+            self.w_final = torch.empty(cfg.hidden_size, dtype=torch.float32, device=self.device)
+            self.want32 = any(g.lora for L in self.layers for g in (L.qkv, L.o, L.gu, L.down))
+            shape = (cfg.num_layers, max_batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+            self.kc = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.vc = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.valid = torch.zeros(max_batch, max_len, dtype=torch.bool, device=self.device)
+            self.pos = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+            self.tok = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+            self.slot = torch.zeros(1, dtype=torch.long, device=self.device)
+            self.logits = torch.zeros(max_batch, cfg.vocab_size, dtype=torch.float32, device=self.device)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.stats = RolloutStats(ops=self.ops.name, graphs=self.use_graphs)
+
+    # -- refresh per call: LoRA weights, norm weights + AQN noise ----------------------------
+    def _norm_weight(self, norm: nn.Module, out: torch.Tensor) -> None:
+        w = norm.weight.float()
+        if getattr(norm, "noise", None) is not None:
+            w = w + norm.noise
+        out.copy_(w)
+
+    def refresh(self) -> None:
+        with torch.no_grad():
+            for L in self.layers:
+                self._norm_weight(L.norm_in, L.w_in)
+                self._norm_weight(L.norm_post, L.w_post)
+                for g in (L.qkv, L.o, L.gu, L.down):
+                    g.refresh()
+            self._norm_weight(self.model.model.norm, self.w_final)
+
+    # -- one decode step over rows [0, b), attention over columns [0, s) ---------------------
+    def _step(self, b: int, s: int) -> None:
+        cfg, ops = self.cfg, self.ops
+        heads, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        n_rep, eps = heads // kvh, cfg.rms_norm_eps
+        self.valid[:b].index_fill_(1, self.slot, True)
+        mask = torch.zeros(b, 1, n_rep, s, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~self.valid[:b, None, None, :s], float("-inf"))  # (B, 1, n_rep, S)
+        freqs = self.pos[:b, None].float() * self.model.inv_freq  # (B, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)  # (B, D)
+        x = self.model.model.embed_tokens(self.tok[:b])  # (B, H)
+        x, h, h32 = ops.add_rmsnorm(x, None, None, None, self.layers[0].w_in, eps, self.want32)
+        n = len(self.layers)
+        for i, L in enumerate(self.layers):
+            q = ops.qkv_rope_cache(L.qkv.base(h), L.qkv.bias, L.qkv.delta(h32), cos, sin, self.kc[i], self.vc[i],
+                                   self.slot, heads=heads, kv_heads=kvh, d=d, q_norm=L.q_norm, k_norm=L.k_norm)
+            o = F.scaled_dot_product_attention(q.view(b, kvh, n_rep, d), self.kc[i, :b, :, :s], self.vc[i, :b, :, :s],
+                                               attn_mask=mask)  # (B, kv, n_rep, D)
+            o = o.reshape(b, heads * d)
+            x, h, h32 = ops.add_rmsnorm(x, L.o.base(o), L.o.bias, L.o.delta(o.float() if L.o.lora else None),
+                                        L.w_post, eps, self.want32)
+            a, a32 = ops.silu_mul(L.gu.base(h), L.gu.bias, L.gu.delta(h32), self.want32)
+            w_next = self.layers[i + 1].w_in if i + 1 < n else self.w_final
+            x, h, h32 = ops.add_rmsnorm(x, L.down.base(a), L.down.bias, L.down.delta(a32), w_next, eps,
+                                        self.want32 and i + 1 < n)
+        self.logits[:b].copy_(F.linear(h, self.model.lm_head.weight))
+        self.pos[:b] += 1
+        self.slot += 1
+
+    def _run_step(self, b: int, slot: int) -> None:
+        s = min(self.max_len, -(-(slot + 1) // self.len_bucket) * self.len_bucket)
+        if not self.use_graphs:
+            self._step(b, s)
+            return
+        g = self.graphs.get((b, s))
+        if g is None:
+            saved = (self.slot.clone(), self.pos.clone())
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self._step(b, s)  # warm-up (library handles, workspaces) outside the capture
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            self.slot.copy_(saved[0])
+            self.pos.copy_(saved[1])
+            g = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(g, pool=self.pool):
+                    self._step(b, s)
+            except RuntimeError as exc:  # an op that cannot be captured here: decode eagerly instead
+                log.warning("CUDA graph capture failed, decoding without graphs: %s", exc)
+                self.use_graphs = False
+                self.stats.graphs = False
+                self.graph_error = str(exc)[:500]
+                self.stats.extra["graph_error"] = self.graph_error
+                self._step(b, s)
+                return
+            self.graphs[(b, s)] = g
+            self.stats.graphs_captured += 1
+        g.replay()
+
+    def capture(self, b: int, first_slot: int, last_slot: int) -> int:
+        """Capture now the graphs a rollout of bucket ``b`` replays for write columns
+        [first_slot, last_slot), so that capturing stays out of timed runs; returns how many
+        were new. Leaves garbage in the cache (the next rollout starts from a clean state)."""
+        if not self.use_graphs:
+            return 0
+        lb = self.len_bucket
+        lengths = sorted({min(self.max_len, -(-(s + 1) // lb) * lb) for s in range(first_slot, min(last_slot, self.max_len))})
+        new = 0
+        with torch.no_grad():
+            self.refresh()
+            for s in lengths:
+                if (b, s) not in self.graphs:
+                    self.slot.fill_(s - 1)
+                    self._run_step(b, s - 1)
+                    new += 1
+        return new
+
+    def _compact(self, rows: torch.Tensor) -> None:
+        """Move cache rows ``rows`` to the front, in that order."""
+        n = rows.numel()
+        for t in (self.kc, self.vc):
+            for i in range(t.shape[0]):  # one layer at a time: no full-cache temporary
+                t[i, :n] = t[i].index_select(0, rows)
+        self.valid[:n] = self.valid.index_select(0, rows)
+        self.pos[:n] = self.pos.index_select(0, rows)
+
+    # -- a sub-batch -------------------------------------------------------------------------
+    def _generate_batch(self, tokenizer, prompts: list[list[int]], params: SamplingParams, eos: set[int],
+                        generator: torch.Generator | None, stop: Callable[[], bool]) -> tuple[list[Completion], bool]:
+        model, dev = self.model, self.device
+        n, plen = len(prompts), max(len(p) for p in prompts)
+        if plen + params.max_new_tokens > self.max_len:
+            raise ValueError(f"prompt ({plen}) + max_new_tokens ({params.max_new_tokens}) exceeds the rollout "
+                             f"engine's max_len {self.max_len}; build it with a larger max_len")
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        ids = torch.full((n, plen), pad, dtype=torch.long)
+        mask = torch.zeros(n, plen, dtype=torch.long)
+        for r, p in enumerate(prompts):  # left padding
+            ids[r, plen - len(p):] = torch.tensor(p)
+            mask[r, plen - len(p):] = 1
+        b = _bucket(n, self.max_batch)
+        self.valid.zero_()
+        self.pos.zero_()
+        self.tok.zero_()
+        cache = _cache_view(self, n)
+        t0 = _now(dev)
+        hidden = model(ids.to(dev), mask.to(dev), cache)[:, -1]  # (n, H)
+        self.pos[:n].copy_(cache.next_pos)
+        self.slot.fill_(cache.length)
+        slot = cache.length
+        logits = model.logits(hidden).float()
+        t1 = _now(dev)
+        self.stats.prefill_s += t1 - t0
+        stops = StopStrings(tokenizer, params.stop)
+        live = list(range(n))  # cache row j holds sub-batch row live[j]
+        rows = None  # cache rows of the live sequences when they are not 0..len(live)-1
+        toks: list[list[int]] = [[] for _ in range(n)]
+        lps: list[list[float]] = [[] for _ in range(n)]
+        texts: list[str | None] = [None] * n
+        finish: list[str | None] = [None] * n
+        cancelled = False
+        for _ in range(params.max_new_tokens):
+            nxt, lp = sample_next(logits, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                                  generator=generator)
+            keep = []
+            for j, (t, l) in enumerate(zip(nxt.tolist(), lp.tolist())):
+                r = live[j]
+                toks[r].append(t)
+                lps[r].append(l)
+                hit = stops.check(toks[r]) if params.stop and t not in eos else None
+                if t in eos:
+                    finish[r] = "stop"
+                elif hit is not None:
+                    k, texts[r] = hit
+                    del toks[r][k:], lps[r][k:]
+                    finish[r] = "stop"
+                elif len(toks[r]) >= params.max_new_tokens:
+                    finish[r] = "length"
+                else:
+                    keep.append(j)
+            if not keep:
+                break
+            if stop():
+                cancelled = True
+                for j in keep:
+                    finish[live[j]] = "cancelled"
+                break
+            if len(keep) < len(live):
+                sel = torch.tensor(keep, device=dev)
+                nxt = nxt.index_select(0, sel)
+                rows = sel if rows is None else rows.index_select(0, sel)
+                live = [live[j] for j in keep]
+                nb = _bucket(len(live), self.max_batch)
+                if nb < b:
+                    self._compact(rows)
+                    rows, b = None, nb
+            if rows is None:
+                self.tok[:len(live)].copy_(nxt)
+            else:
+                self.tok.index_copy_(0, rows, nxt)
+            self._run_step(b, slot)
+            slot += 1
+            self.stats.steps += 1
+            logits = self.logits[:len(live)] if rows is None else self.logits.index_select(0, rows)
+        self.stats.decode_s += _now(dev) - t1
+        outs = []
+        for r in range(n):
+            text = texts[r] if texts[r] is not None else tokenizer.decode(toks[r], skip_special_tokens=True)
+            outs.append(Completion(list(prompts[r]), toks[r], torch.tensor(lps[r], dtype=torch.float32),
+                                   finish[r] or "length", text))
+            self.stats.tokens += len(toks[r])
+        return outs, cancelled
+
+    def generate(self, tokenizer, prompts: list[list[int]], params: SamplingParams, *,
+                 generator: torch.Generator | None = None, should_stop: Callable[[], bool] | None = None,
+                 max_batch: int | None = None) -> list[Completion]:
+        max_batch = min(max_batch or self.max_batch, self.max_batch)
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1; got {max_batch}")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        model = self.model
+        eos = set(params.eos_token_ids or getattr(model, "eos_token_ids", None) or [tokenizer.eos_token_id])
+        eos.discard(None)
+        stop = should_stop or (lambda: False)
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        out: list[Completion | None] = [None] * len(prompts)
+        was_training = model.training
+        model.eval()
+        self.stats = RolloutStats(ops=self.ops.name, graphs=self.use_graphs, graphs_captured=0)
+        if getattr(self, "graph_error", None):
+            self.stats.extra["graph_error"] = self.graph_error
+        try:
+            with torch.no_grad():
+                self.refresh()
+                cancelled = False
+                for s in range(0, len(order), max_batch):
+                    idx = order[s:s + max_batch]
+                    cancelled = cancelled or stop()
+                    if cancelled:
+                        batch = [_empty(prompts[i]) for i in idx]
+                    else:
+                        batch, cancelled = self._generate_batch(tokenizer, [prompts[i] for i in idx], params, eos,
+                                                                generator, stop)
+                    for i, c in zip(idx, batch):
+                        out[i] = c
+        finally:
+            model.train(was_training)
+        return out  # type: ignore[return-value]
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _cache_view(engine: GraphRollout, n: int) -> KVCache:
+    """A KVCache over rows [0, n) of the engine's static buffers, for the eager prefill."""
+    cache = KVCache.__new__(KVCache)
+    cache.k = [engine.kc[i, :n] for i in range(engine.cfg.num_layers)]
+    cache.v = [engine.vc[i, :n] for i in range(engine.cfg.num_layers)]
+    cache.valid = engine.valid[:n]
+    cache.next_pos = torch.zeros(n, dtype=torch.long, device=engine.device)
+    cache.length = 0
+    cache.max_len = engine.max_len
+    return cache
+
+
+def engine_for(model: nn.Module, *, max_batch: int = 64, max_len: int = 2048, **kwargs) -> GraphRollout:
+    """The model's cached engine, rebuilt when it is too small for (max_batch, max_len) or
+    the LoRA modules changed."""
+    eng = getattr(model, "_graph_rollout", None)
+    loras = tuple(id(m) for m in model.modules() if isinstance(m, LoRALinear))
+    if eng is None or eng.max_batch < max_batch or eng.max_len < max_len or eng._loras != loras or kwargs:
+        model._graph_rollout = None
+        eng = GraphRollout(model, max_batch=max_batch, max_len=max_len, **kwargs)
+        eng._loras = loras
+        model._graph_rollout = eng
+    return eng
+
+
+def generate(model, tokenizer, prompts: list[list[int]], params: SamplingParams, *,
+             generator: torch.Generator | None = None, should_stop: Callable[[], bool] | None = None,
+             max_batch: int = 64) -> list[Completion]:
+    """engine.rollout.generate on the graph engine (one Completion per prompt, prompt order)."""
+    longest = max((len(p) for p in prompts), default=1) + params.max_new_tokens
+    max_len = max(256, -(-longest // 256) * 256)
+    eng = engine_for(model, max_batch=_bucket(min(max_batch, max(1, len(prompts))), max_batch), max_len=max_len)
+    return eng.generate(tokenizer, prompts, params, generator=generator, should_stop=should_stop, max_batch=max_batch)

@@ -1,0 +1,181 @@
+"""The graph decode engine (engine.rollout.cuda_graph) against the eager sampler.
+
+CPU: the same engine code runs eagerly (torch ops, fused dense projections) and must give the
+eager sampler's tokens and log-probs (greedy and sampled, eos, stop strings, sub-batches, rows
+leaving the batch, LoRA, AQN noise). GPU (skipped without one): graph replay equals the same
+engine without graphs, the fused kernels equal the torch ops, and the log-probs the sampler
+reports match a CPU fp32 reference within bf16 tolerance.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.lora import adapter_params, apply_lora
+from engine.model.shapes import NumberTokenizer, build_random_model, shape_config
+from engine.rollout import SamplingParams, generate
+from engine.rollout.cuda_graph import GraphRollout
+from engine.spec import LoraSpec
+
+TINY = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=256,
+            vocab_size=512)
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _model(quantization: str, *, device="cpu", dtype=torch.float32, lora: bool = True, seed: int = 3):
+    """Built on CPU (same weights whatever the device), then moved and cast."""
+    m = build_random_model(shape_config("7b", **TINY), quantization=quantization, device="cpu",
+                           dtype=torch.bfloat16 if dtype == torch.bfloat16 or device != "cpu" else dtype,
+                           seed=seed, std=0.3).to(device=device, dtype=dtype)
+    if lora:
+        apply_lora(m, LoraSpec(r=4), seed=seed)
+        with torch.no_grad():
+            for p in adapter_params(m):
+                if p.shape[1] == 4:  # B: make the adapter non-trivial
+                    p.normal_(0, 0.05, generator=torch.Generator(device=p.device).manual_seed(seed))
+    for i, n in enumerate(m.aqn_norms()):
+        n.noise = 0.01 * torch.randn(n.weight.shape, generator=torch.Generator().manual_seed(i)).to(n.weight.device)
+    return m
+
+
+def _prompts(n=3):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(1, 512, (int(k),), generator=g).tolist() for k in (5, 9, 3, 7, 4)[:n]]
+
+
+def _same(a, b, atol=1e-4):
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    assert [c.finish_reason for c in a] == [c.finish_reason for c in b]
+    assert [c.text for c in a] == [c.text for c in b]
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x.logprobs, y.logprobs, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("quantization", ["nvfp4", "bf16"])
+def test_cpu_engine_matches_eager_greedy_with_stops(quantization):
+    m = _model(quantization)
+    tok = NumberTokenizer()
+    prompts = _prompts(5)
+    ref = generate(m, tok, prompts, SamplingParams(max_new_tokens=10, temperature=0.0, eos_token_ids=[10**6]))
+    eos = ref[0].token_ids[3]  # row 0 ends early on it, other rows maybe too
+    stop = ref[1].text.split()[5]  # a stop string
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, eos_token_ids=[eos], stop=[f" {stop} "])
+    want = generate(m, tok, prompts, params, max_batch=4)
+    eng = GraphRollout(m, max_batch=4, max_len=64)
+    got = eng.generate(tok, prompts, params, max_batch=4)
+    assert got[0].finish_reason == "stop" and len(got[0].token_ids) <= 4
+    assert any(c.finish_reason == "length" for c in got)
+    _same(got, want)
+
+
+def test_cpu_engine_matches_eager_sampled_and_refreshes_lora():
+    m = _model("nvfp4")
+    tok = NumberTokenizer()
+    prompts = _prompts(4)
+    params = SamplingParams(max_new_tokens=8, temperature=0.8, top_k=50, top_p=0.9, eos_token_ids=[7, 11, 13])
+    eng = GraphRollout(m, max_batch=4, max_len=32)
+    for _ in range(2):  # the second round after an adapter update and new noise: the engine reads them again
+        want = generate(m, tok, prompts, params, generator=torch.Generator().manual_seed(5))
+        got = eng.generate(tok, prompts, params, generator=torch.Generator().manual_seed(5))
+        _same(got, want)
+        with torch.no_grad():
+            for p in adapter_params(m):
+                p.add_(0.05)
+        for n in m.aqn_norms():
+            n.noise = n.noise.flip(0)
+
+
+def test_cpu_engine_cancel_and_length_checks():
+    m = _model("bf16", lora=False)
+    tok = NumberTokenizer()
+    calls = []
+
+    def stop():
+        calls.append(1)
+        return len(calls) > 3
+
+    eng = GraphRollout(m, max_batch=2, max_len=32)
+    out = eng.generate(tok, _prompts(5), SamplingParams(max_new_tokens=6, temperature=0.0, eos_token_ids=[10**6]),
+                       should_stop=stop)
+    assert [c.finish_reason for c in out].count("cancelled") >= 3
+    with pytest.raises(ValueError, match="max_len"):
+        eng.generate(tok, [[1] * 30], SamplingParams(max_new_tokens=8))
+
+
+# -- GPU ----------------------------------------------------------------------------------------
+@gpu
+@pytest.mark.parametrize("quantization", ["nvfp4", "bf16"])
+def test_gpu_graph_replay_equals_eager_engine(quantization):
+    m = _model(quantization, device="cuda", dtype=torch.bfloat16)
+    tok = NumberTokenizer()
+    prompts = _prompts(5)
+    params = SamplingParams(max_new_tokens=40, temperature=1.0, eos_token_ids=[3, 5])
+    a = GraphRollout(m, max_batch=8, max_len=512, use_graphs=True)
+    got = a.generate(tok, prompts, params, generator=torch.Generator("cuda").manual_seed(0))
+    assert a.stats.graphs_captured >= 1
+    b = GraphRollout(m, max_batch=8, max_len=512, use_graphs=False)
+    want = b.generate(tok, prompts, params, generator=torch.Generator("cuda").manual_seed(0))
+    _same(got, want, atol=2e-3)  # cuBLAS may pick another algorithm under capture
+
+
+@gpu
+def test_gpu_fused_ops_equal_torch_ops():
+    from engine.rollout.fused_ops import TorchOps, pick_ops
+
+    ops = pick_ops(torch.device("cuda"), torch.bfloat16, qk_norm=False, head_dim=128)
+    if ops.name != "cuda":
+        pytest.skip("fused kernels need an sm_90 GPU and nvcc")
+    ref, dev, g = TorchOps(), "cuda", torch.Generator("cuda").manual_seed(0)
+
+    def rnd(*s, dtype=torch.bfloat16):
+        return torch.randn(*s, device=dev, generator=g).to(dtype)
+
+    b, heads, kvh, d, h, inter, S = 5, 8, 2, 128, 1024, 3072, 64
+    y, bias, delta = rnd(b, (heads + 2 * kvh) * d), rnd((heads + 2 * kvh) * d), rnd(b, (heads + 2 * kvh) * d, dtype=torch.float32)
+    ang = torch.rand(b, d // 2, device=dev, generator=g) * 100
+    cos, sin = torch.cat((ang, ang), -1).cos().bfloat16(), torch.cat((ang, ang), -1).sin().bfloat16()
+    slot = torch.tensor([17], device=dev)
+    caches = [rnd(8, kvh, S, d) for _ in range(2)]
+    caches2 = [c.clone() for c in caches]
+    for bi, de in ((bias, delta), (None, None)):
+        q1 = ops.qkv_rope_cache(y, bi, de, cos, sin, *caches, slot, heads=heads, kv_heads=kvh, d=d)
+        q2 = ref.qkv_rope_cache(y, bi, de, cos, sin, *caches2, slot, heads=heads, kv_heads=kvh, d=d)
+        assert torch.equal(q1, q2) and torch.equal(caches[0], caches2[0]) and torch.equal(caches[1], caches2[1])
+    x, w = rnd(b, h), torch.rand(h, device=dev, generator=g) + 0.5
+    for yy, bi, de in ((rnd(b, h), rnd(h), rnd(b, h, dtype=torch.float32)), (None, None, None)):
+        x1, o1, f1 = ops.add_rmsnorm(x.clone(), yy, bi, de, w, 1e-6, True)
+        x2, o2, f2 = ref.add_rmsnorm(x.clone(), yy, bi, de, w, 1e-6, True)
+        assert torch.equal(x1, x2)
+        assert (o1.float() - o2.float()).abs().max() <= 0.01 * o2.float().abs().max()
+        assert torch.equal(f1, o1.float())
+    gu = rnd(b, 2 * inter) * 4
+    a1, f1 = ops.silu_mul(gu, None, rnd(b, 2 * inter, dtype=torch.float32), True)
+    a2, _ = ref.silu_mul(gu, None, None, True)
+    a3, _ = ops.silu_mul(gu, None, None, False)
+    torch.testing.assert_close(a3.float(), a2.float(), atol=0, rtol=8e-3)
+    assert torch.equal(f1, a1.float())
+
+
+@gpu
+def test_gpu_sampler_logprobs_match_cpu_reference():
+    """The log-probs the graph engine reports for its own tokens = a CPU fp32 forward's."""
+    m = _model("nvfp4", device="cuda", dtype=torch.bfloat16)
+    tok = NumberTokenizer()
+    prompts = _prompts(4)
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, eos_token_ids=[10**6])
+    out = GraphRollout(m, max_batch=4, max_len=256).generate(tok, prompts, params,
+                                                            generator=torch.Generator("cuda").manual_seed(1))
+    cpu = _model("nvfp4", device="cpu", dtype=torch.bfloat16).float()  # same codes, fp32 arithmetic
+    errs, eager_errs = [], []
+    for c in out:
+        ids = torch.tensor([c.prompt_ids + c.token_ids])
+        p0 = len(c.prompt_ids) - 1
+        with torch.no_grad():
+            ref = cpu.token_logprobs(ids, from_position=p0)[0][0, p0:]
+            eager = m.token_logprobs(ids.cuda(), from_position=p0)[0][0, p0:].cpu()  # the eager GPU decoder
+        errs.append((ref - c.logprobs).abs())
+        eager_errs.append((ref - eager).abs())
+    err, eager_err = torch.cat(errs), torch.cat(eager_errs)
+    # bf16 tolerance: no worse than the eager GPU decoder's own distance from the fp32 reference
+    assert err.mean() <= 2 * eager_err.mean() + 0.02, (err.mean(), eager_err.mean())
+    assert err.max() <= 2 * eager_err.max() + 0.1, (err.max(), eager_err.max())
