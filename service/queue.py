@@ -7,8 +7,9 @@ running/cancelling row (``attempt`` is the fencing token). A reaper returns jobs
 expired to ``queued`` (resume from the latest checkpoint) or fails them after
 ``max_attempts``; a sweeper re-sends wake-ups nobody acted on.
 
-Every public function here is one transaction and commits it. Times are UTC from this host's
-clock (keep hosts NTP-synced; leases are tens of seconds).
+Every public function here is one transaction and commits it, except cancel() (the API's
+request commits it). Times are UTC from this host's clock (keep hosts NTP-synced; leases are
+tens of seconds).
 Torch-free, and Celery is imported only when a Celery sender is configured.
 """
 from __future__ import annotations
@@ -34,26 +35,30 @@ class LeaseLost(Exception):
     """This worker no longer owns the job (reaped, cancelled and finished, or re-claimed)."""
 
 
-class JobConflict(RuntimeError):
+class JobConflict(Exception):
     """The job's state does not allow the request (the API answers 409)."""
 
 
 # -- wake-ups ---------------------------------------------------------------------------------
 _dispatch: Callable[[str], None] | None = None
 _senders: dict[tuple[str, str], "CelerySender"] = {}
-_sessions: dict[str, Callable[[], Session]] = {}
 
 
 def reset_after_fork() -> None:
     """Drop connections inherited from a parent process (a Celery pool child calls this)."""
     _senders.clear()
-    _sessions.clear()
 
 
 def set_dispatcher(fn: Callable[[str], None] | None) -> None:
     """Route wake-ups to ``fn`` (the embedded worker's poke) instead of the configured broker."""
     global _dispatch
     _dispatch = fn
+
+
+def configure(settings: Any) -> None:
+    """The API with a broker: send wake-ups per ``settings`` (not the environment's)."""
+    if settings.redis_url:
+        set_dispatcher(CelerySender(settings.redis_url, settings.celery_queue))
 
 
 class CelerySender:
@@ -66,6 +71,16 @@ class CelerySender:
         self.app = Celery("qerl-sender", broker=broker_url, set_as_current=False)
         self.app.conf.update(broker_connection_retry_on_startup=True,
                              broker_transport_options={"socket_connect_timeout": 3, "socket_timeout": 5})
+
+    def pending(self) -> int:
+        """Messages waiting in the broker queue (workers take one only when idle)."""
+        from kombu.exceptions import ChannelError
+
+        with self.app.connection_for_read() as conn:
+            try:
+                return conn.default_channel.queue_declare(queue=self.queue, passive=True).message_count
+            except ChannelError:  # Redis drops an empty queue's list: nothing waits
+                return 0
 
     def __call__(self, job_id: str) -> None:
         self.app.send_task(TASK_NAME, args=[job_id], queue=self.queue, ignore_result=True,
@@ -87,26 +102,13 @@ def _dispatcher() -> Callable[[str], None] | None:
     return _senders[key]
 
 
-def _own_session() -> Session:
-    from service.db import make_engine, make_sessionmaker
-    from service.settings import get_settings
-
-    url = str(get_settings().database_url)
-    if url not in _sessions:
-        _sessions[url] = make_sessionmaker(make_engine(url))
-    return _sessions[url]()
-
-
-def wake(job_id: str, session: Session | None = None, *, older_than: datetime | None = None) -> bool:
+def wake(job_id: str, session: Session, *, older_than: datetime | None = None) -> bool:
     """Tell a worker to look at a queued job; call after the job row is committed.
 
     Stamps ``wakeup_sent_at`` first (conditionally, so concurrent sweepers send once), then
     sends. Returns True if a message went out. A send that fails raises; the stamp stays and
-    the sweeper re-sends after ``sweep_seconds``.
+    the sweeper re-sends after ``sweep_after_seconds``.
     """
-    if session is None:
-        with _own_session() as own:
-            return wake(job_id, own, older_than=older_than)
     cond = [Job.id == job_id, Job.status == "queued"]
     if older_than is not None:
         cond.append(or_(Job.wakeup_sent_at.is_(None), Job.wakeup_sent_at < older_than))
@@ -132,8 +134,21 @@ def claim(session: Session, job_id: str, worker_id: str, *, lease_seconds: float
     """queued -> running for this worker, or None (already claimed, cancelled, finished: a
     duplicate or late message is harmless)."""
     locked = session.execute(select(Job.id).where(Job.id == job_id, Job.status == "queued")
-                             .with_for_update(skip_locked=True)).first()  # SQLite: no-op clause
-    if locked is None:
+                             .with_for_update(skip_locked=True)).scalar()  # SQLite: no-op clause
+    return _claim_locked(session, locked, worker_id, lease_seconds)
+
+
+def claim_next(session: Session, worker_id: str, *, lease_seconds: float = 60) -> Job | None:
+    """Claim the oldest queued job, skipping rows other workers are claiming right now."""
+    locked = session.execute(select(Job.id).where(Job.status == "queued").order_by(Job.created_at).limit(1)
+                             .with_for_update(skip_locked=True)).scalar()
+    return _claim_locked(session, locked, worker_id, lease_seconds)
+
+
+def _claim_locked(session: Session, job_id: str | None, worker_id: str, lease_seconds: float) -> Job | None:
+    """The claim itself, in the transaction that locked the row (Postgres) or holds the write
+    lock (SQLite's BEGIN IMMEDIATE); the status condition keeps it exclusive either way."""
+    if job_id is None:
         session.rollback()
         return None
     now = utcnow()
@@ -143,7 +158,7 @@ def claim(session: Session, job_id: str, worker_id: str, *, lease_seconds: float
                 lease_expires_at=now + timedelta(seconds=lease_seconds), heartbeat_at=now,
                 started_at=func.coalesce(Job.started_at, now))
         .returning(Job.attempt, Job.resume_checkpoint_id)).first()
-    if row is None:  # SQLite: another thread won between the two statements
+    if row is None:
         session.rollback()
         return None
     attempt, ckpt_id = row
@@ -153,20 +168,6 @@ def claim(session: Session, job_id: str, worker_id: str, *, lease_seconds: float
     add_event(session, job_id, attempt, msg, data={"worker": worker_id})
     session.commit()
     return session.get(Job, job_id, populate_existing=True)
-
-
-def claim_next(session: Session, worker_id: str, *, lease_seconds: float = 60) -> Job | None:
-    """Claim the oldest queued job, skipping rows other workers are claiming right now."""
-    for _ in range(8):
-        jid = session.execute(select(Job.id).where(Job.status == "queued").order_by(Job.created_at)
-                              .limit(1).with_for_update(skip_locked=True)).scalar()
-        session.rollback()
-        if jid is None:
-            return None
-        job = claim(session, jid, worker_id, lease_seconds=lease_seconds)
-        if job is not None:
-            return job
-    return None
 
 
 def heartbeat(session: Session, job_id: str, attempt: int, worker_id: str, *, lease_seconds: float = 60) -> bool:
@@ -334,8 +335,20 @@ def reap(session: Session) -> list[str]:
 
 
 def sweep(session: Session, *, older_than_s: float = 60, limit: int = 100) -> list[str]:
-    """Re-send wake-ups for queued jobs nobody claimed within ``older_than_s`` (lost message,
-    or a message stuck behind a busy worker). Returns the ids woken."""
+    """Re-send wake-ups for queued jobs nobody claimed within ``older_than_s``. Only while the
+    broker queue is empty: a message still waiting there will be taken by the next idle worker
+    (workers never reserve more than they run), and re-sending behind a backlog would only
+    pile up duplicates. A job whose message was lost is re-sent once the queue drains.
+    Returns the ids woken."""
+    send = _dispatcher()
+    pending = getattr(send, "pending", None)
+    if pending is not None:
+        try:
+            if pending() > 0:
+                return []
+        except Exception:
+            log.warning("cannot read the broker queue length; skipping this sweep", exc_info=True)
+            return []
     cutoff = utcnow() - timedelta(seconds=older_than_s)
     ids = session.execute(select(Job.id).where(
         Job.status == "queued",

@@ -1,0 +1,182 @@
+"""The job runner in this process with the real engine on the tiny model (Postgres and SQLite):
+success with a downloadable adapter, failures with codes, cancel, shutdown-and-resume, lease loss."""
+from __future__ import annotations
+
+import hashlib
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select, update
+
+from service import queue
+from service.models import Adapter, Checkpoint, File, Job, JobMetric, utcnow
+from service.settings import Settings
+from tests._worker_fixtures import cancel_leftovers, events, make_job, tiny_spec, wait_for_status
+from worker.runner import WorkerContext, run_job
+
+
+@pytest.fixture
+def ctx(sessions, any_db_url, tiny_model_dir, tmp_path, dispatched):
+    cancel_leftovers(sessions)
+    settings = Settings(database_url=any_db_url, redis_url=None, artifact_dir=tmp_path / "artifacts",
+                        data_dir=tmp_path, lease_seconds=10, heartbeat_seconds=0.3)
+    return WorkerContext(settings=settings, sessions=sessions, worker_id="test-worker", shutdown=threading.Event())
+
+
+def _metrics(s, job_id: str) -> list[JobMetric]:
+    return list(s.execute(select(JobMetric).where(JobMetric.job_id == job_id)
+                          .order_by(JobMetric.attempt, JobMetric.step)).scalars())
+
+
+def _run_in_thread(ctx: WorkerContext, job_id: str) -> tuple[threading.Thread, list[str]]:
+    out: list[str] = []
+    t = threading.Thread(target=lambda: out.append(run_job(ctx, job_id)))
+    t.start()
+    return t, out
+
+
+def _wait_step(sessions, job_id: str, step: int, timeout: float = 120) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with sessions() as s:
+            got = s.get(Job, job_id).step
+        if got >= step:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id} did not reach step {step}")
+
+
+def test_success_packs_a_peft_adapter_and_records_progress(ctx, sessions):
+    with sessions() as s:
+        job = make_job(s, tiny_spec("tiny"), suffix="demo")
+    assert run_job(ctx, job.id) == "succeeded"
+    assert run_job(ctx, job.id) == "skipped"  # a duplicate message is harmless
+    art = Path(ctx.settings.artifact_dir)
+    with sessions() as s:
+        got = s.get(Job, job.id)
+        adapter = s.get(Adapter, got.adapter_id)
+        assert (got.status, got.step, got.total_steps, got.attempt) == ("succeeded", 3, 3, 1)
+        assert got.fine_tuned_model == adapter.name == f"ft:tiny:proj-test:demo:{job.id.removeprefix('ftjob-')}"
+        tar_path = art / adapter.path
+        assert adapter.path == f"adapters/{adapter.id}.tar.gz"
+        assert adapter.sha256 == hashlib.sha256(tar_path.read_bytes()).hexdigest()
+        assert adapter.bytes == tar_path.stat().st_size and adapter.manifest["steps"] == 3
+        with tarfile.open(tar_path) as tar:
+            assert sorted(tar.getnames()) == ["adapter_config.json", "adapter_model.safetensors",
+                                              "qerl_manifest.json"]
+        assert [m.step for m in _metrics(s, job.id)] == [1, 2, 3]
+        msgs = [e.message for e in events(s, job.id)]
+        assert msgs[0] == "Job started (attempt 1)" and msgs[-1] == "The job has successfully completed"
+        assert sum(m.startswith("Step ") for m in msgs) == 3 and any(m.startswith("Step 2/3: reward") for m in msgs)
+        ckpts = s.execute(select(Checkpoint).where(Checkpoint.job_id == job.id)).scalars().all()
+        assert sorted(c.step for c in ckpts) == [1, 2, 3]
+        assert all(not Path(c.path).is_absolute() and c.path.startswith(f"jobs/{job.id}/checkpoints/") for c in ckpts)
+
+
+def test_failures_end_with_a_code_the_user_can_act_on(ctx, sessions):
+    art = Path(ctx.settings.artifact_dir)
+    with sessions() as s:
+        bad_spec = make_job(s, {**tiny_spec("tiny"), "steps": 0})
+        unknown = make_job(s, tiny_spec("no-such-model"))
+        f = File(project="proj-test", filename="t.jsonl", purpose="fine-tune", bytes=1, sha256="0" * 64,
+                 path="files/gone.jsonl")
+        s.add(f)
+        s.commit()
+        spec = tiny_spec("tiny")
+        spec["data"] = {"train_file": f.id, "eval_size": 0}
+        gone = make_job(s, spec, training_file=f.id)
+    assert not (art / "files/gone.jsonl").exists()
+    for job, code, text in ((bad_spec, "invalid_spec", "steps must be in"),
+                            (unknown, "unknown_model", "no-such-model"),
+                            (gone, "invalid_file", f"training_file {f.id} is no longer available")):
+        assert run_job(ctx, job.id) == "failed"
+        with sessions() as s:
+            got = s.get(Job, job.id)
+            assert got.error_code == code and text in got.error_message, got.error_message
+            assert "Traceback" not in got.error_message
+
+
+def test_cancel_stops_a_running_job_within_a_step(ctx, sessions):
+    with sessions() as s:
+        job = make_job(s, tiny_spec("tiny", steps=500, checkpoint_interval=0))
+    t, out = _run_in_thread(ctx, job.id)
+    seen = _wait_step(sessions, job.id, 2)
+    with sessions() as s:
+        queue.cancel(s, s.get(Job, job.id))
+        s.commit()
+    t0 = time.monotonic()
+    t.join(60)
+    assert out == ["cancelled"] and time.monotonic() - t0 < 10
+    with sessions() as s:
+        got = s.get(Job, job.id)
+        assert got.status == "cancelled" and got.adapter_id is None
+        assert max(m.step for m in _metrics(s, job.id)) <= seen + 2  # the step in flight, at most one more
+
+
+def test_shutdown_requeues_and_the_next_run_resumes(ctx, sessions):
+    with sessions() as s:
+        job = make_job(s, tiny_spec("tiny", steps=8, checkpoint_interval=2))
+    t, out = _run_in_thread(ctx, job.id)
+    _wait_step(sessions, job.id, 3)
+    ctx.shutdown.set()
+    t.join(60)
+    assert out == ["requeued"]
+    with sessions() as s:
+        got = s.get(Job, job.id)
+        stopped_at = max(m.step for m in _metrics(s, job.id))
+        assert got.status == "queued" and got.attempt == 1 and got.max_attempts == 4
+        ckpt = s.get(Checkpoint, got.resume_checkpoint_id)
+        assert ckpt.step == stopped_at == got.step  # the engine saved the step boundary it stopped at
+    ctx.shutdown.clear()
+    assert run_job(ctx, job.id) == "succeeded"
+    with sessions() as s:
+        got = s.get(Job, job.id)
+        second = [m.step for m in _metrics(s, job.id) if m.attempt == 2]
+        assert got.attempt == 2 and second == list(range(stopped_at + 1, 9))
+        msgs = [e.message for e in events(s, job.id)]
+        assert f"Resuming from checkpoint step {stopped_at} (attempt 2)" in msgs
+        assert any(m.startswith("Worker shutting down; job requeued") for m in msgs)
+
+
+def test_a_reaped_run_writes_nothing_more(ctx, sessions):
+    with sessions() as s:
+        job = make_job(s, tiny_spec("tiny", steps=500, checkpoint_interval=0))
+    t, out = _run_in_thread(ctx, job.id)
+    _wait_step(sessions, job.id, 1)
+    with sessions() as s:  # as if this worker had stalled past its lease: reaped, then re-claimed
+        s.execute(update(Job).where(Job.id == job.id).values(lease_expires_at=utcnow()))
+        s.commit()
+        assert queue.reap(s) == [job.id]
+        assert queue.claim(s, job.id, "other-worker", lease_seconds=600).attempt == 2
+        reaped_at = max(e.id for e in events(s, job.id))
+    t.join(60)
+    assert out == ["lease_lost"]
+    with sessions() as s:
+        got = s.get(Job, job.id)
+        assert (got.status, got.attempt, got.lease_owner) == ("running", 2, "other-worker")
+        assert [e.message for e in events(s, job.id) if e.id > reaped_at and e.attempt == 1] == []
+        queue.finish(s, job.id, 2, "cancelled")
+    wait_for_status(sessions, job.id, "cancelled", timeout=1)
+
+
+def test_a_checkpoint_the_dead_worker_never_reported_is_still_used(ctx, sessions):
+    with sessions() as s:
+        job = make_job(s, tiny_spec("tiny", steps=6, checkpoint_interval=2))
+    t, out = _run_in_thread(ctx, job.id)
+    _wait_step(sessions, job.id, 2)
+    ctx.shutdown.set()
+    t.join(60)
+    assert out == ["requeued"]
+    with sessions() as s:  # as if the process died between writing the checkpoint and its row
+        on_disk = s.get(Job, job.id).step
+        s.execute(update(Job).where(Job.id == job.id).values(resume_checkpoint_id=None, step=0))
+        s.execute(Checkpoint.__table__.delete().where(Checkpoint.job_id == job.id))
+        s.commit()
+    ctx.shutdown.clear()
+    assert run_job(ctx, job.id) == "succeeded"
+    with sessions() as s:
+        assert [m.step for m in _metrics(s, job.id) if m.attempt == 2] == list(range(on_disk + 1, 7))
+        assert f"Resumed from checkpoint step {on_disk}" in [e.message for e in events(s, job.id)]

@@ -1,0 +1,111 @@
+"""The engine's Reporter backed by the database, fenced by the job's attempt.
+
+Each call is one short transaction that starts with ``queue.fence`` (so a reaped or
+re-claimed attempt can write nothing) and raises ``LeaseLost`` when the fence fails; the
+engine lets that propagate. A metrics write also notices a pending cancel, so the runner
+stops within one step even between heartbeats.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session
+
+from service import queue
+from service.models import Checkpoint, Job, JobMetric, utcnow
+
+log = logging.getLogger(__name__)
+
+# Shown first in "Step 3/30: ..." events; the rest follow alphabetically.
+_HEADLINE = ("reward", "reward_mean", "accuracy", "loss", "kl", "entropy", "clip_frac", "lr", "sigma")
+_HEADLINE_MAX = 6
+
+
+def clean_values(values: dict[str, Any]) -> dict[str, float | None]:
+    """JSON-safe floats (tensors and numpy scalars to float; NaN/inf to None)."""
+    out: dict[str, float | None] = {}
+    for k, v in values.items():
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            continue
+        out[str(k)] = f if math.isfinite(f) else None
+    return out
+
+
+def step_message(step: int, total: int, values: dict[str, float | None]) -> str:
+    keys = [k for k in _HEADLINE if k in values] + sorted(k for k in values if k not in _HEADLINE)
+    parts = [f"{k}={values[k]:.4g}" if values[k] is not None else f"{k}=nan" for k in keys[:_HEADLINE_MAX]]
+    return f"Step {step}/{total}: " + ", ".join(parts)
+
+
+class DBReporter:
+    def __init__(self, sessions: Callable[[], Session], job_id: str, attempt: int, *, artifact_dir: Path,
+                 total_steps: int, on_cancel: Callable[[], None] = lambda: None) -> None:
+        self.sessions, self.job_id, self.attempt = sessions, job_id, attempt
+        self.artifact_dir, self.total_steps, self.on_cancel = Path(artifact_dir), total_steps, on_cancel
+
+    # -- the Reporter protocol --------------------------------------------------------------
+    def event(self, level: str, message: str, data: dict[str, Any] | None = None) -> None:
+        level = level if level in ("info", "warn", "error") else ("warn" if level == "warning" else "info")
+        self._write(lambda s: queue.add_event(s, self.job_id, self.attempt, message, level=level, data=data))
+
+    def metrics(self, step: int, values: dict[str, float]) -> None:
+        vals = clean_values(values)
+
+        def write(s: Session) -> None:
+            # The engine may report twice for one step (training, then evaluation): merge them.
+            row = s.execute(select(JobMetric).where(JobMetric.job_id == self.job_id, JobMetric.step == step,
+                                                    JobMetric.attempt == self.attempt)).scalar()
+            if row is None:
+                s.add(JobMetric(job_id=self.job_id, step=step, attempt=self.attempt, values=vals, created_at=utcnow()))
+            else:
+                row.values = {**row.values, **vals}
+            progress: dict[str, Any] = {"step": step, "total_steps": self.total_steps}
+            if vals.get("trained_tokens") is not None:
+                progress["trained_tokens"] = int(vals["trained_tokens"])
+            s.execute(update(Job).where(Job.id == self.job_id).values(**progress))
+            if any(not k.startswith("eval") for k in vals):  # evaluations get the engine's own event
+                queue.add_event(s, self.job_id, self.attempt, step_message(step, self.total_steps, vals),
+                                type="metrics", data={"step": step, "total_steps": self.total_steps, **vals})
+
+        self._write(write)
+
+    def checkpoint(self, step: int, path: Path, metrics: dict[str, float] | None = None) -> None:
+        path = Path(path).resolve()
+        try:
+            rel = str(path.relative_to(self.artifact_dir.resolve()))
+        except ValueError:  # outside the artifact store: keep it absolute rather than lose it
+            rel = str(path)
+        vals = clean_values(metrics or {})
+
+        def write(s: Session) -> None:
+            s.add(Checkpoint(job_id=self.job_id, attempt=self.attempt, step=step, path=rel, metrics=vals,
+                             created_at=utcnow()))
+
+        self._write(write)
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _write(self, fn: Callable[[Session], None], tries: int = 4) -> None:
+        """Fence, write, commit; retry transient database errors (a Postgres restart, a
+        dropped connection) with back-off. LeaseLost is never retried."""
+        for i in range(tries):
+            try:
+                with self.sessions() as s:
+                    if queue.fence(s, self.job_id, self.attempt) == "cancelling":
+                        self.on_cancel()
+                    fn(s)
+                    s.commit()
+                return
+            except OperationalError:
+                if i == tries - 1:
+                    raise
+                log.warning("database error writing progress of job %s; retrying", self.job_id, exc_info=True)
+                time.sleep(0.5 * 2**i)

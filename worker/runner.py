@@ -1,0 +1,183 @@
+"""Runs one claimed job: the code shared by the Celery task and the embedded worker thread.
+
+claim -> resolve the spec's files and the resume point -> ``engine.train`` with a DB reporter,
+a lease-keeping side thread and ``should_stop`` = cancel | lease lost | shutdown -> an outcome:
+succeeded (adapter tar.gz + Adapter row), failed (a code the user can act on), cancelled, or
+requeued (shutdown: another worker resumes from the checkpoint the engine saved on stopping).
+Every write is fenced by the attempt, so a worker that lost its lease changes nothing.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+import engine
+from engine.spec import TrainSpec
+from engine.types import TrainError
+from service import queue
+from service.models import Adapter, Checkpoint, File, Job, new_id
+from service.views import fine_tuned_model_name
+from worker.artifacts import job_workdir, pack_adapter
+from worker.lease import LeaseKeeper
+from worker.reporter import DBReporter
+
+log = logging.getLogger(__name__)
+
+OOM_ADVICE = ("The job ran out of memory. Lower micro_batch_size, rollout.max_batch, rollout.max_new_tokens or "
+              "rollout.num_generations, keep gradient_checkpointing on, or use a smaller model.")
+
+
+@dataclass
+class WorkerContext:
+    settings: Any  # service.settings.Settings: artifact_dir, lease_seconds, heartbeat_seconds
+    sessions: Callable[[], Session]
+    worker_id: str
+    shutdown: threading.Event
+    parent_pid: int | None = None  # Celery child: stop if this parent dies
+
+
+def run_job(ctx: WorkerContext, job_id: str) -> str:
+    """Claim ``job_id`` and run it; "skipped" if it cannot be claimed (duplicate/late message)."""
+    with ctx.sessions() as s:
+        job = queue.claim(s, job_id, ctx.worker_id, lease_seconds=ctx.settings.lease_seconds)
+    if job is None:
+        log.info("job %s: not claimable (already taken, cancelled or finished); nothing to do", job_id)
+        return "skipped"
+    return execute(ctx, job)
+
+
+def run_next(ctx: WorkerContext) -> str | None:
+    """Claim the oldest queued job and run it; None if the queue is empty."""
+    with ctx.sessions() as s:
+        job = queue.claim_next(s, ctx.worker_id, lease_seconds=ctx.settings.lease_seconds)
+    return None if job is None else execute(ctx, job)
+
+
+def execute(ctx: WorkerContext, job: Job) -> str:
+    """Run a job this worker has just claimed (``job`` as claim() returned it)."""
+    artifact_dir = Path(ctx.settings.artifact_dir)
+    keeper = LeaseKeeper(ctx.sessions, job.id, job.attempt, ctx.worker_id, lease_seconds=ctx.settings.lease_seconds,
+                         interval_seconds=ctx.settings.heartbeat_seconds, parent_pid=ctx.parent_pid)
+    keeper.start()
+
+    def should_stop() -> bool:
+        return (keeper.cancelled.is_set() or keeper.lost.is_set() or keeper.orphaned.is_set()
+                or ctx.shutdown.is_set())
+
+    log.info("job %s attempt %d: running on %s", job.id, job.attempt, ctx.worker_id)
+    try:
+        try:
+            spec, resume_from = _prepare(ctx, job, artifact_dir)
+            reporter = DBReporter(ctx.sessions, job.id, job.attempt, artifact_dir=artifact_dir, total_steps=spec.steps,
+                                  on_cancel=keeper.cancelled.set)
+            result = engine.train(spec, workdir=job_workdir(artifact_dir, job.id), reporter=reporter,
+                                  should_stop=should_stop, resume_from=resume_from)
+        except queue.LeaseLost:
+            return _lease_lost(job)
+        except Exception as exc:  # noqa: BLE001 - every failure ends the job with a code
+            if keeper.lost.is_set():
+                return _lease_lost(job)
+            code, message = _classify(exc, job.id)
+            return _end(ctx, job, "failed", error_code=code, error_message=message)
+        if keeper.lost.is_set():
+            return _lease_lost(job)
+        if keeper.cancelled.is_set():
+            return _end(ctx, job, "cancelled")
+        if result.stopped:
+            reason = ("Worker process lost its parent" if keeper.orphaned.is_set() and not ctx.shutdown.is_set()
+                      else "Worker shutting down")
+            return _requeue(ctx, job, reason)
+        return _succeed(ctx, job, Path(result.adapter_dir), artifact_dir)
+    finally:
+        keeper.stop()
+
+
+def _prepare(ctx: WorkerContext, job: Job, artifact_dir: Path) -> tuple[TrainSpec, Path | None]:
+    """The spec with worker-local file paths, and where to resume from (None: from step 0)."""
+    try:
+        spec = TrainSpec.from_dict(job.spec)
+    except ValueError as exc:
+        raise TrainError("invalid_spec", f"the stored job spec is invalid: {exc}") from None
+    with ctx.sessions() as s:
+        for attr, param in (("train_file", "training_file"), ("validation_file", "validation_file")):
+            ref = getattr(job, param) or getattr(spec.data, attr)
+            if ref and str(ref).startswith("file-"):
+                setattr(spec.data, attr, str(_file_path(s, ref, param, artifact_dir)))
+        resume_from = None
+        if job.resume_checkpoint_id:
+            ckpt = s.get(Checkpoint, job.resume_checkpoint_id)
+            path = artifact_dir / ckpt.path if ckpt is not None else None  # absolute paths stay absolute
+            if path is not None and path.is_dir():
+                resume_from = path
+            else:
+                log.warning("job %s: checkpoint %s is gone from the artifact store", job.id, job.resume_checkpoint_id)
+    if resume_from is None and job.attempt > 1:  # died before reporting its newest checkpoint
+        from engine.checkpoint import latest_checkpoint  # torch: only once a job runs
+
+        resume_from = latest_checkpoint(job_workdir(artifact_dir, job.id) / "checkpoints")
+    return spec, resume_from
+
+
+def _file_path(s: Session, file_id: str, param: str, artifact_dir: Path) -> Path:
+    f = s.get(File, file_id)
+    path = artifact_dir / f.path if f is not None else None
+    if f is None or f.deleted_at is not None or path is None or not path.is_file():
+        raise TrainError("invalid_file", f"{param} {file_id} is no longer available (deleted?); upload it again "
+                                         "and create a new job")
+    return path
+
+
+def _classify(exc: BaseException, job_id: str) -> tuple[str, str]:
+    if isinstance(exc, TrainError):
+        return exc.code, str(exc)
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return "out_of_memory", OOM_ADVICE
+    log.exception("job %s: internal error", job_id)
+    return "internal_error", (f"Internal error ({type(exc).__name__}: {str(exc)[:300]}). "
+                              "Retry the job; if it fails again, report it with the job id.")
+
+
+def _end(ctx: WorkerContext, job: Job, status: str, **kw: Any) -> str:
+    try:
+        with ctx.sessions() as s:
+            final = queue.finish(s, job.id, job.attempt, status, **kw)
+    except queue.LeaseLost:
+        return _lease_lost(job)
+    log.info("job %s attempt %d: %s %s", job.id, job.attempt, final, kw.get("error_code") or "")
+    return final
+
+
+def _requeue(ctx: WorkerContext, job: Job, reason: str) -> str:
+    try:
+        with ctx.sessions() as s:
+            requeued = queue.requeue(s, job.id, job.attempt, reason)
+    except queue.LeaseLost:
+        return _lease_lost(job)
+    return "requeued" if requeued else "cancelled"
+
+
+def _succeed(ctx: WorkerContext, job: Job, adapter_dir: Path, artifact_dir: Path) -> str:
+    adapter_id = new_id("adapter")
+    try:
+        packed = pack_adapter(adapter_dir, artifact_dir, adapter_id)
+    except Exception as exc:  # noqa: BLE001
+        code, message = _classify(exc, job.id)
+        return _end(ctx, job, "failed", error_code=code, error_message=message)
+    adapter = Adapter(id=adapter_id, project=job.project, job_id=job.id, name=fine_tuned_model_name(job),
+                      base_model=job.model, path=packed.path, bytes=packed.bytes, sha256=packed.sha256,
+                      manifest=packed.manifest)
+    final = _end(ctx, job, "succeeded", adapter=adapter)
+    if final != "succeeded":  # cancelled at the last moment, or lease lost: the tarball is nobody's
+        (artifact_dir / packed.path).unlink(missing_ok=True)
+    return final
+
+
+def _lease_lost(job: Job) -> str:
+    log.warning("job %s attempt %d: lease lost; this worker's run is discarded", job.id, job.attempt)
+    return "lease_lost"
