@@ -69,11 +69,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="qerl", version="0.1.0", lifespan=lifespan,
                   description="RL fine-tuning (NVFP4 base, LoRA, GRPO/DAPO, AQN) behind OpenAI's fine-tuning API")
     app.state.settings = settings
-    app.state.engine = make_engine(str(settings.database_url))
+    pool = {} if settings.is_sqlite else dict(pool_size=settings.db_pool_size, max_overflow=settings.db_max_overflow,
+                                             pool_timeout=settings.db_pool_timeout)
+    app.state.engine = make_engine(str(settings.database_url), **pool)
     app.state.sessionmaker = make_sessionmaker(app.state.engine)
     app.state.store = ArtifactStore(settings.artifact_dir)  # type: ignore[arg-type]
     app.state.rate_limiter = RateLimiter(settings.rate_limit_per_minute)
     app.state.metrics = metrics = Metrics(app.state.sessionmaker)
+    metrics.pool.attach(app.state.engine)
     app.state.worker = None
 
     errors.install(app)

@@ -65,7 +65,9 @@ def current_key(request: Request, session: SessionDep) -> ApiKey:
     limiter = getattr(request.app.state, "rate_limiter", None)
     if limiter is not None:
         limiter.check(key.id)
-    session.commit()  # end the read: on SQLite it holds the write lock (BEGIN IMMEDIATE) until then
+    # end the read now: it frees the connection while the route waits for a worker thread (holding it
+    # across that wait can starve the pool and deadlock under load), and on SQLite the write lock
+    session.commit()
     request.state.key_id = key.id
     return key
 

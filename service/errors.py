@@ -7,7 +7,8 @@ Status codes (documented in the README's API section):
 - 413 upload larger than MAX_UPLOAD_BYTES;
 - 422 readable but wrong: a field's type or value, an unknown field or model, a file id that is
   not in this project, an Idempotency-Key reused with another body;
-- 429 per-key rate limit (with Retry-After);  503 database or broker unreachable.
+- 429 per-key rate limit (with Retry-After);  503 database or broker unreachable (with Retry-After;
+  a request that finds the database down, restarting or its pool exhausted gets this, never a 500).
 Every message names the field and says how to fix it. Client errors carry ``x-should-retry:
 false`` so the openai SDK does not retry a 409 that will never succeed.
 """
@@ -21,6 +22,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
@@ -91,6 +93,27 @@ def _validation_response(exc: RequestValidationError) -> JSONResponse:
                           param=param)
 
 
+DB_RETRY_AFTER_S = 5
+
+
+def database_unavailable(exc: Exception) -> JSONResponse:
+    detail = type(getattr(exc, "orig", None) or exc).__name__  # the full text (hosts, ports) goes to the log only
+    return error_response(503, f"The database is unavailable ({detail}). The request was not carried out; retry in "
+                               f"{DB_RETRY_AFTER_S}s. If this lasts, check DATABASE_URL and the database server.",
+                          code="database_unavailable", headers={"Retry-After": str(DB_RETRY_AFTER_S)})
+
+
+def _allowed_methods(request: Request) -> str:
+    """The methods the API documents at this path (Starlette names only the first route's)."""
+    table = getattr(request.app.state, "allowed_methods", None)
+    if table is None:  # built once from the OpenAPI paths: [(regex, "GET, DELETE"), ...]
+        table = [(re.compile("^" + re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(path)) + "$"),
+                  ", ".join(sorted(m.upper() for m in ops)))
+                 for path, ops in request.app.openapi().get("paths", {}).items()]
+        request.app.state.allowed_methods = table
+    return next((methods for regex, methods in table if regex.match(request.url.path)), "")
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_req: Request, exc: APIError) -> JSONResponse:
@@ -101,11 +124,35 @@ def install(app: FastAPI) -> None:
         return _validation_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(req: Request, exc: StarletteHTTPException) -> JSONResponse:
         msg = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        headers = dict(getattr(exc, "headers", None) or {})
         if exc.status_code == 404 and msg == "Not Found":
             msg = "Unknown URL. See GET /docs for the endpoints this service serves."
-        return error_response(exc.status_code, msg, code=None, headers=getattr(exc, "headers", None))
+        code = None
+        if exc.status_code == 400 and msg == "There was an error parsing the body":  # FastAPI's words
+            msg = ("The request body could not be parsed: send a JSON object encoded as UTF-8, nested at most a "
+                   "few hundred levels (or multipart/form-data for uploads).")
+            code = "invalid_json"
+        if exc.status_code == 405:
+            headers["Allow"] = _allowed_methods(req) or headers.get("Allow", "")
+            msg = f"Method {req.method} is not allowed here; use {headers['Allow']}."
+        return error_response(exc.status_code, msg, code=code, headers=headers)
+
+    @app.exception_handler(sa_exc.OperationalError)
+    @app.exception_handler(sa_exc.InterfaceError)
+    @app.exception_handler(sa_exc.TimeoutError)  # the pool had no connection to give in time
+    async def _database_down(req: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, sa_exc.TimeoutError) and getattr(req.app.state, "metrics", None) is not None:
+            req.app.state.metrics.pool.timed_out()
+        log.warning("database unavailable: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return database_unavailable(exc)
+
+    @app.exception_handler(sa_exc.DataError)
+    async def _data_error(_req: Request, exc: sa_exc.DataError) -> JSONResponse:
+        detail = str(exc.orig).splitlines()[0][:200] if exc.orig else "invalid value"
+        return error_response(400, f"A value in this request cannot be stored or compared by the database ({detail}); "
+                                   "remove NUL characters (\\u0000) and keep numbers in range.", code="invalid_value")
 
     @app.exception_handler(Exception)
     async def _unhandled(_req: Request, exc: Exception) -> JSONResponse:

@@ -59,14 +59,16 @@ def _hyper(body: JobCreate, d: dict[str, Any], qerl: dict[str, Any], rows: int |
     if h.reasoning_effort not in (None, "default"):
         raise _invalid(f"{p}.reasoning_effort", f"{p}.reasoning_effort applies to reasoning models served by "
                                                 "OpenAI; remove it or use 'default'")
-    for name, value, lo in [("batch_size", h.batch_size, 1), ("n_epochs", h.n_epochs, 1),
-                            ("eval_interval", h.eval_interval, 0), ("eval_samples", h.eval_samples, 0)]:
-        if isinstance(value, int) and value < lo:
-            raise _invalid(f"{p}.{name}", f"{p}.{name} must be 'auto' or an integer >= {lo}; got {value}")
-    for name, value in [("learning_rate_multiplier", h.learning_rate_multiplier),
-                        ("compute_multiplier", h.compute_multiplier)]:
-        if isinstance(value, float) and not (0 < value <= 1000):
-            raise _invalid(f"{p}.{name}", f"{p}.{name} must be 'auto' or a number in (0, 1000]; got {value}")
+    # ranges in the user's terms (TrainSpec's own bounds, mapped back through the conversions below)
+    for name, value, lo, hi in [("batch_size", h.batch_size, 1, 4096), ("n_epochs", h.n_epochs, 1, 1000),
+                                ("eval_interval", h.eval_interval, 0, 1_000_000),
+                                ("eval_samples", h.eval_samples, 0, 100_000)]:
+        if isinstance(value, int) and not lo <= value <= hi:
+            raise _invalid(f"{p}.{name}", f"{p}.{name} must be 'auto' or an integer in [{lo}, {hi}]; got {value}")
+    for name, value, hi in [("learning_rate_multiplier", h.learning_rate_multiplier, 1000),
+                            ("compute_multiplier", h.compute_multiplier, 64)]:
+        if isinstance(value, float) and not (0 < value <= hi):
+            raise _invalid(f"{p}.{name}", f"{p}.{name} must be 'auto' or a number in (0, {hi}]; got {value}")
     if isinstance(h.batch_size, int):
         d["prompts_per_step"] = h.batch_size
     if isinstance(h.learning_rate_multiplier, float):

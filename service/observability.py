@@ -6,6 +6,7 @@ are read from the database at scrape time, so every API replica reports the same
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+from sqlalchemy import Engine, event
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -39,6 +41,43 @@ class JobsCollector(Collector):
         yield family
 
 
+class PoolStats(Collector):
+    """The database pool as Prometheus sees it: connections checked out now, the peak since start,
+    the configured size, and how many requests waited past the pool timeout (should stay 0)."""
+
+    def __init__(self) -> None:
+        self.checked_out = self.peak = self.timeouts = 0
+        self.size = self.overflow = 0
+        self._lock = threading.Lock()
+
+    def attach(self, engine: Engine) -> None:
+        pool = engine.pool
+        self.size, self.overflow = getattr(pool, "size", lambda: 0)(), getattr(pool, "_max_overflow", 0)
+
+        @event.listens_for(engine, "checkout")
+        def _out(*_: Any) -> None:
+            with self._lock:
+                self.checked_out += 1
+                self.peak = max(self.peak, self.checked_out)
+
+        @event.listens_for(engine, "checkin")
+        def _in(*_: Any) -> None:
+            with self._lock:
+                self.checked_out -= 1
+
+    def timed_out(self) -> None:
+        with self._lock:
+            self.timeouts += 1
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        for name, doc, value in [("qerl_db_pool_checked_out", "Connections in use now", self.checked_out),
+                                 ("qerl_db_pool_checked_out_peak", "Most connections in use at once", self.peak),
+                                 ("qerl_db_pool_capacity", "pool_size + max_overflow", self.size + self.overflow),
+                                 ("qerl_db_pool_timeouts", "Requests that found no free connection in time",
+                                  self.timeouts)]:
+            yield GaugeMetricFamily(name, doc, value=value)
+
+
 class Metrics:
     def __init__(self, make_session: sessionmaker[Session]) -> None:
         self.registry = CollectorRegistry()
@@ -47,6 +86,8 @@ class Metrics:
         self.latency = Histogram("qerl_http_request_duration_seconds", "HTTP request latency (to the first "
                                  "response byte)", ["method", "route"], registry=self.registry)
         self.registry.register(JobsCollector(make_session))
+        self.pool = PoolStats()
+        self.registry.register(self.pool)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

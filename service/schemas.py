@@ -4,12 +4,23 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 T = TypeVar("T")
 Auto = Literal["auto"]
 MetadataKey = Annotated[str, StringConstraints(max_length=64)]  # OpenAI's limits
 MetadataValue = Annotated[str, StringConstraints(max_length=512)]
+MAX_BODY_DEPTH = 32  # a job body nests ~6 levels; deeper is an attack on the parser and the serializer
+
+
+def json_depth(value: Any) -> int:
+    """Nesting depth of a decoded JSON value, without recursion."""
+    depth, frontier = 0, [value]
+    while frontier:
+        depth += 1
+        frontier = [c for v in frontier if isinstance(v, (dict, list))
+                    for c in (v.values() if isinstance(v, dict) else v) if isinstance(c, (dict, list))]
+    return depth
 
 
 class _In(BaseModel):
@@ -38,20 +49,49 @@ class MethodIn(_In):
     dpo: dict[str, Any] | None = None
 
 
+NO_CONTROL = r"^[^\x00-\x1f\x7f]*$"  # names end up in model names, file names and logs
+
+
 class JobCreate(_In):
-    model: str = Field(min_length=1, max_length=255)
-    training_file: str | None = None
-    validation_file: str | None = None
+    model: str = Field(min_length=1, max_length=255, pattern=NO_CONTROL)
+    training_file: str | None = Field(default=None, max_length=255, pattern=NO_CONTROL)
+    validation_file: str | None = Field(default=None, max_length=255, pattern=NO_CONTROL)
     seed: int | None = Field(default=None, ge=0, le=2**31 - 1)
-    suffix: str | None = Field(default=None, max_length=64)
+    suffix: str | None = Field(default=None, max_length=64, pattern=NO_CONTROL)
     metadata: dict[MetadataKey, MetadataValue] | None = Field(default=None, max_length=16)
     method: MethodIn | None = None
     hyperparameters: ReinforcementHyperparameters | None = None  # deprecated by OpenAI; method wins
     integrations: list[dict[str, Any]] | None = None
     qerl: dict[str, Any] | None = None  # TrainSpec fields; see service.jobspec
 
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded_depth(cls, data: Any) -> Any:
+        if json_depth(data) > MAX_BODY_DEPTH:
+            raise ValueError(f"the request body nests deeper than {MAX_BODY_DEPTH} levels; flatten it")
+        return data
+
 
 # ---- responses ------------------------------------------------------------------------------
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx/5xx body (OpenAI's shape)."""
+
+    error: ErrorDetail
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    "4XX": {"model": ErrorResponse, "description": "The request was refused; `error.message` says why and the fix"},
+    503: {"model": ErrorResponse, "description": "The database or the broker is unreachable; retry later"},
+}
+
+
 class ListPage(BaseModel, Generic[T]):
     object: Literal["list"] = "list"
     data: list[T]

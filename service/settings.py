@@ -40,6 +40,12 @@ class Settings(BaseSettings):
     celery_queue: str = "qerl"
     embedded_worker: bool = True  # start the in-process worker thread in embedded mode
 
+    # database pool of each API process: capacity (size + overflow) matches the 40 threads that serve
+    # sync routes, so a request never waits for a connection a thread could not use anyway
+    db_pool_size: int = Field(default=10, ge=1)
+    db_max_overflow: int = Field(default=30, ge=0)
+    db_pool_timeout: float = Field(default=10.0, gt=0)  # then 503 database_unavailable, never a hang
+
     # API behaviour
     rate_limit_per_minute: int = Field(default=1200, ge=0)  # per API key; 0 disables
     sse_poll_seconds: float = Field(default=0.5, gt=0)

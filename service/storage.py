@@ -2,7 +2,9 @@
 
 Everything is written under ``tmp/`` first and renamed into place, so a reader never sees half a
 file and a failed or oversized upload leaves nothing behind. The sha256 is computed while
-streaming. Paths stored in the database are relative to the store's root.
+streaming, stored with the row, and checked again before a download is served (``verified``),
+so a truncated or bit-rotted artifact is refused instead of handed out. Paths stored in the
+database are relative to the store's root.
 
 Layout: ``files/<file-id>.jsonl`` (written here); ``jobs/<job-id>/`` (a job's workdir) and
 ``adapters/<adapter-id>.tar.gz`` (written by the worker, ``worker.artifacts``).
@@ -10,6 +12,7 @@ Layout: ``files/<file-id>.jsonl`` (written here); ``jobs/<job-id>/`` (a job's wo
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import secrets
 import time
@@ -18,7 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+log = logging.getLogger(__name__)
 CHUNK = 1024 * 1024
+
+
+class Corrupt(Exception):
+    """The bytes on disk no longer hash to the sha256 recorded when they were written."""
 
 
 class TooLarge(Exception):
@@ -62,6 +70,7 @@ class ArtifactStore:
     def __init__(self, root: Path) -> None:
         self.root = Path(root).expanduser().resolve()
         self.tmp_dir = self.root / "tmp"
+        self._verified: dict[Path, tuple[int, int, str]] = {}  # path -> (size, mtime_ns, sha256) that matched
 
     def ensure(self) -> None:
         for sub in ("tmp", "files", "jobs", "adapters"):
@@ -96,6 +105,27 @@ class ArtifactStore:
             raise
         return Staged(self, tmp, total, digest.hexdigest())
 
+    def verified(self, rel: str, sha256: str) -> Path:
+        """The path of ``rel`` once its bytes hash to ``sha256``; FileNotFoundError or Corrupt otherwise.
+
+        A file is hashed again only when its size or mtime changed since it last matched."""
+        path = self.abspath(rel)
+        st = path.stat()  # FileNotFoundError when it is gone
+        stamp = (st.st_size, st.st_mtime_ns, sha256)
+        if self._verified.get(path) == stamp:
+            return path
+        digest = hashlib.sha256()
+        with open(path, "rb") as fh:
+            for chunk in iter_chunks(fh):
+                digest.update(chunk)
+        if digest.hexdigest() != sha256:
+            self._verified.pop(path, None)
+            raise Corrupt(f"{rel}: sha256 {digest.hexdigest()} on disk, {sha256} recorded")
+        if len(self._verified) >= 4096:
+            self._verified.clear()
+        self._verified[path] = stamp
+        return path
+
     def delete(self, rel: str) -> None:
         self.abspath(rel).unlink(missing_ok=True)
 
@@ -109,3 +139,20 @@ class ArtifactStore:
                 path.unlink(missing_ok=True)
                 removed += 1
         return removed
+
+
+def verified_artifact(store: ArtifactStore, rel: str, sha256: str, what: str) -> Path:
+    """``store.verified`` for a download: a missing or corrupt artifact answers 503 (a server-side
+    fault the operator must see), never a 500 or bytes that differ from the recorded sha256."""
+    from service.errors import APIError
+
+    try:
+        return store.verified(rel, sha256)
+    except (FileNotFoundError, IsADirectoryError):
+        raise APIError(503, f"The bytes of {what} are missing from the artifact store; check that ARTIFACT_DIR is "
+                            "the same on the API and the workers.", code="artifact_missing") from None
+    except Corrupt as exc:
+        log.error("refusing to serve a corrupt artifact: %s", exc)
+        raise APIError(503, f"The stored bytes of {what} no longer match the sha256 recorded when they were "
+                            "written; it was not sent. Restore it from a backup or create it again.",
+                       code="artifact_corrupt") from None

@@ -2,8 +2,9 @@
 from fastapi import APIRouter
 
 from service.routes import adapters, events, files, health, jobs, models
+from service.schemas import ERROR_RESPONSES
 
-api_router = APIRouter(prefix="/v1")
+api_router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 for module in (files, jobs, events, adapters, models):
     api_router.include_router(module.router)
 

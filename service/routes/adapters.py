@@ -6,12 +6,13 @@ from fastapi.responses import FileResponse
 
 from service import crud
 from service.auth import CurrentKey
-from service.deps import SessionDep, StoreDep
-from service.errors import APIError, not_found
+from service.deps import ReleasingRoute, SessionDep, StoreDep
+from service.errors import not_found
 from service.schemas import Adapter, ListPage
+from service.storage import verified_artifact
 from service.views import adapter_view
 
-router = APIRouter(prefix="/adapters", tags=["adapters"])
+router = APIRouter(prefix="/adapters", tags=["adapters"], route_class=ReleasingRoute)
 
 
 @router.get("", response_model=ListPage[Adapter])
@@ -49,9 +50,6 @@ def adapter_content(adapter_id: str, request: Request, key: CurrentKey, session:
     headers = {"ETag": etag, "X-Checksum-Sha256": a.sha256, "Cache-Control": "private, max-age=0"}
     if _etag_matches(request.headers.get("if-none-match"), etag):
         return Response(status_code=304, headers=headers)
-    path = store.abspath(a.path)
-    if not path.is_file():
-        raise APIError(503, f"The archive of adapter {adapter_id} is missing from the artifact store; check "
-                            "that ARTIFACT_DIR is the same on the API and the workers.", code="artifact_missing")
+    path = verified_artifact(store, a.path, a.sha256, f"the archive of adapter {adapter_id}")
     safe = a.name.replace(":", "_").replace("/", "_") or a.id
     return FileResponse(path, media_type="application/gzip", filename=f"{safe}.tar.gz", headers=headers)

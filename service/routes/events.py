@@ -17,13 +17,13 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service import crud
 from service.auth import CurrentKey
-from service.deps import SessionDep, SettingsDep
+from service.deps import ReleasingRoute, SessionDep, SettingsDep
 from service.errors import not_found
 from service.models import Job
 from service.schemas import FineTuningJobCheckpoint, FineTuningJobEvent, ListPage, StepMetrics
 from service.views import TERMINAL, checkpoint_view, event_view, parse_event_id, unix
 
-router = APIRouter(prefix="/fine_tuning/jobs/{job_id}", tags=["fine-tuning"])
+router = APIRouter(prefix="/fine_tuning/jobs/{job_id}", tags=["fine-tuning"], route_class=ReleasingRoute)
 
 
 def _job(session: Session, project: str, job_id: str) -> Job:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
 from starlette.datastructures import UploadFile
@@ -11,15 +11,19 @@ from starlette.datastructures import UploadFile
 from engine.data.jsonl import validate_jsonl
 from service import crud
 from service.auth import CurrentKey
-from service.deps import SessionDep, SettingsDep, StoreDep
+from service.deps import ReleasingRoute, SessionDep, SettingsDep, StoreDep
 from service.errors import APIError, not_found
 from service.models import File, new_id
 from service.schemas import FileDeleted, FileObject, ListPage
-from service.storage import TooLarge, iter_chunks
+from service.storage import TooLarge, iter_chunks, verified_artifact
 from service.views import file_view
 
-router = APIRouter(prefix="/files", tags=["files"])
+router = APIRouter(prefix="/files", tags=["files"], route_class=ReleasingRoute)
 PURPOSES = ("fine-tune",)
+UPLOAD_BODY = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+    "type": "object", "required": ["file", "purpose"],
+    "properties": {"file": {"type": "string", "format": "binary", "description": "JSONL, one JSON object per line"},
+                   "purpose": {"type": "string", "enum": list(PURPOSES)}}}}}}}
 
 
 def _too_large(limit: int) -> APIError:
@@ -27,7 +31,7 @@ def _too_large(limit: int) -> APIError:
                          "raise MAX_UPLOAD_BYTES on the server.", code="file_too_large", param="file")
 
 
-@router.post("", response_model=FileObject)
+@router.post("", response_model=FileObject, openapi_extra=UPLOAD_BODY)
 async def upload_file(request: Request, key: CurrentKey, session: SessionDep, settings: SettingsDep,
                       store: StoreDep) -> FileObject:
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
@@ -94,13 +98,15 @@ def get_file(file_id: str, key: CurrentKey, session: SessionDep) -> FileObject:
     return file_view(f)
 
 
-@router.get("/{file_id}/content")
-def file_content(file_id: str, key: CurrentKey, session: SessionDep, store: StoreDep) -> FileResponse:
+@router.get("/{file_id}/content", response_class=FileResponse,
+            responses={200: {"content": {"application/jsonl": {}}, "description": "The JSONL file as uploaded"}})
+def file_content(file_id: str, key: CurrentKey, session: SessionDep, store: StoreDep) -> Response:
     f = crud.get_file(session, key.project, file_id)
     if f is None:
         raise not_found("file", file_id, "file_id")
-    return FileResponse(store.abspath(f.path), media_type="application/jsonl", filename=f.filename,
-                        headers={"X-Checksum-Sha256": f.sha256})
+    path = verified_artifact(store, f.path, f.sha256, f"file {file_id}")
+    return FileResponse(path, media_type="application/jsonl", filename=f.filename,
+                        headers={"X-Checksum-Sha256": f.sha256, "ETag": f'"{f.sha256}"'})
 
 
 @router.delete("/{file_id}", response_model=FileDeleted)

@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse
 
 from service.db import ping
 from service.errors import error_response
+from service.schemas import ERROR_RESPONSES
 
 router = APIRouter(tags=["health"])
 
@@ -27,7 +28,7 @@ def _check_broker(url: str) -> None:
         client.close()
 
 
-@router.get("/readyz")
+@router.get("/readyz", responses={503: ERROR_RESPONSES[503]})
 async def readyz(request: Request) -> JSONResponse:
     settings, engine = request.app.state.settings, request.app.state.engine
     try:

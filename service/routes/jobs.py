@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 
 from service import crud
 from service.auth import CurrentKey
-from service.deps import SessionDep, SettingsDep
+from service.deps import ReleasingRoute, SessionDep, SettingsDep
 from service.errors import APIError, not_found
 from service.jobspec import build_spec
 from service.models import Job, new_id
@@ -19,7 +19,7 @@ from service.schemas import FineTuningJob, JobCreate, ListPage
 from service.views import ACTIVE, TERMINAL, job_view
 
 log = logging.getLogger(__name__)
-router = APIRouter(prefix="/fine_tuning/jobs", tags=["fine-tuning"])
+router = APIRouter(prefix="/fine_tuning/jobs", tags=["fine-tuning"], route_class=ReleasingRoute)
 STATUSES = (*ACTIVE, *TERMINAL)
 
 

@@ -7,13 +7,13 @@ from sqlalchemy.orm import Session
 
 from engine import registry
 from service.auth import CurrentKey
-from service.deps import SessionDep
+from service.deps import ReleasingRoute, SessionDep
 from service.errors import not_found
 from service.models import Adapter
 from service.schemas import ListPage, Model
 from service.views import unix
 
-router = APIRouter(prefix="/models", tags=["models"])
+router = APIRouter(prefix="/models", tags=["models"], route_class=ReleasingRoute)
 
 
 def _all(session: Session, project: str) -> list[Model]:

@@ -1,0 +1,352 @@
+"""Faults injected for real while jobs run, on private instances (the shared Postgres on 5432 and
+Redis on 6379 are never stopped): Redis stopped and restarted under the API and a Celery worker,
+Postgres restarted under both, a job over its max_runtime, and the disk filling up while a
+checkpoint is written. Each test asserts the end state: job statuses, attempts, row counts and
+the event stream. Real ``celery worker`` processes (tests/_worker_fixtures.py) run the real
+engine on the tiny model."""
+from __future__ import annotations
+
+import glob
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import create_engine, func, select, text
+
+from service import queue
+from service.db import make_engine, make_sessionmaker, upgrade_head
+from service.models import Adapter, Checkpoint, Job, JobEvent, JobMetric
+from service.settings import Settings
+from tests.conftest import Key, _key
+
+PG_ADMIN = os.environ.get("QERL_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+pytestmark = pytest.mark.timeout(600)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- private service instances -------------------------------------------------------------------
+class PrivateRedis:
+    """``redis-server`` on a free port, no persistence: a restart loses every queued message."""
+
+    def __init__(self, log: Path) -> None:
+        if not shutil.which("redis-server"):
+            pytest.skip("redis-server is not installed")
+        self.port, self.log, self.proc = free_port(), log, None
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--daemonize", "no"],
+                                     stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                    return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start: {self.log.read_text()[-2000:]}")
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+class PrivatePostgres:
+    """A throwaway cluster (initdb) on a free port; as root it runs as the ``postgres`` OS user."""
+
+    def __init__(self) -> None:
+        bins = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+        initdb = bins[-1] if bins else shutil.which("initdb")
+        if not initdb:
+            pytest.skip("initdb is not installed")
+        self.bin = Path(initdb).parent
+        self.root = Path(tempfile.mkdtemp(prefix="qerl-pg-"))  # directly under /tmp: the postgres user can reach it
+        self.data, self.port = self.root / "data", free_port()
+        self.as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        if self.as_user:
+            shutil.chown(self.root, "postgres", "postgres")
+        self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync")
+        self.admin = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _run(self, tool: str, *args: str) -> None:
+        subprocess.run([*self.as_user, str(self.bin / tool), *args], check=True, capture_output=True, timeout=120)
+
+    def start(self) -> None:
+        opts = f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=50"
+        self._run("pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(self.root / "log"), "-w", "-t", "60", "start")
+
+    def stop(self) -> None:
+        self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "-t", "60", "stop")
+
+    def create_db(self) -> str:
+        engine = create_engine(self.admin, isolation_level="AUTOCOMMIT")
+        with engine.connect() as c:
+            c.execute(text('CREATE DATABASE "qerl"'))
+        engine.dispose()
+        url = self.admin.rsplit("/", 1)[0] + "/qerl"
+        upgrade_head(url)
+        return url
+
+    def destroy(self) -> None:
+        try:
+            self.stop()
+        except subprocess.CalledProcessError:
+            pass
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture
+def fresh_db() -> Iterator[str]:
+    """A database of this test alone on the shared Postgres (workers claim any queued job in theirs)."""
+    name = f"qerl_fault_{secrets.token_hex(4)}"
+    admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.execute(text(f'CREATE DATABASE "{name}"'))
+    url = PG_ADMIN.rsplit("/", 1)[0] + f"/{name}"
+    upgrade_head(url)
+    yield url
+    with admin.connect() as c:
+        c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+# -- the API and jobs ----------------------------------------------------------------------------
+@contextmanager
+def api(env: dict[str, str], tmp_path: Path) -> Iterator[TestClient]:
+    """The app configured like the workers (their database, broker, queue and artifact store)."""
+    from service.app import create_app
+
+    settings = Settings(data_dir=tmp_path / "api", database_url=env["DATABASE_URL"], redis_url=env["REDIS_URL"],
+                        celery_queue=env["QERL_CELERY_QUEUE"], artifact_dir=Path(env["ARTIFACT_DIR"]),
+                        embedded_worker=False, auto_migrate=False, rate_limit_per_minute=0,
+                        config_path=tmp_path / "client.json", lease_seconds=float(env["QERL_LEASE_SECONDS"]),
+                        heartbeat_seconds=float(env["QERL_HEARTBEAT_SECONDS"]))
+    try:
+        with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+            yield client
+    finally:
+        queue.set_dispatcher(None)  # create_app pointed this process's wake-ups at the test broker
+
+
+def tiny_job(steps: int = 1, **qerl: Any) -> dict[str, Any]:
+    """A job on the tiny model that takes seconds on CPU (2 prompts x 2 samples x 8 tokens a step)."""
+    return {"model": "tiny", "seed": 0, "method": {"type": "reinforcement", "reinforcement": {
+        "grader": {"type": "reasoning_gym", "name": "task"}}},
+        "qerl": {"dataset": {"source": "reasoning_gym", "task": "products", "size": 16}, "quantization": "nvfp4",
+                 "device": "cpu", "steps": steps, "prompts_per_step": 2, "micro_batch_size": 4,
+                 "checkpoint_interval": 1, "gradient_checkpointing": False, "lora": {"r": 4},
+                 "rollout": {"num_generations": 2, "max_new_tokens": 8}, "data": {"eval_size": 0}, **qerl}}
+
+
+def key_in(url: str, label: str) -> Key:
+    engine = make_engine(url)
+    try:
+        return _key(make_sessionmaker(engine), label)
+    finally:
+        engine.dispose()
+
+
+def wait_job(client: TestClient, key: Key, job_id: str, done: Callable[[dict[str, Any]], bool],
+             timeout: float = 240) -> dict[str, Any]:
+    """Poll GET /v1/fine_tuning/jobs/{id} (503s while a dependency is down are tolerated)."""
+    deadline, last = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        resp = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=key.headers)
+        if resp.status_code == 200:
+            last = resp.json()
+            if done(last):
+                return last
+        time.sleep(0.3)
+    events = client.get(f"/v1/fine_tuning/jobs/{job_id}/events?limit=100", headers=key.headers).text
+    raise AssertionError(f"job {job_id} did not get there in {timeout:.0f} s: {last}\nevents: {events[-3000:]}")
+
+
+def finished(job: dict[str, Any]) -> bool:
+    return job["status"] in ("succeeded", "failed", "cancelled")
+
+
+def env_for(worker_queue_env: dict[str, str], **over: str) -> dict[str, str]:
+    return {**worker_queue_env, "QERL_CELERY_QUEUE": f"qerl-fault-{secrets.token_hex(4)}", **over}
+
+
+# -- the faults ----------------------------------------------------------------------------------
+def test_redis_stopped_and_restarted_loses_no_job(worker_queue_env, start_workers, fresh_db, tmp_path):
+    redis = PrivateRedis(tmp_path / "redis.log")
+    redis.start()
+    env = env_for(worker_queue_env, REDIS_URL=redis.url, DATABASE_URL=fresh_db, QERL_SWEEP_AFTER_SECONDS="2")
+    try:
+        start_workers(1, **{k: env[k] for k in ("REDIS_URL", "DATABASE_URL", "QERL_CELERY_QUEUE",
+                                                "QERL_SWEEP_AFTER_SECONDS")})
+        key = key_in(fresh_db, "redis")
+        with api(env, tmp_path) as client:
+            first = client.post("/v1/fine_tuning/jobs", headers=key.headers, json=tiny_job()).json()["id"]
+            redis.stop()
+            ready = client.get("/readyz")
+            assert ready.status_code == 503 and ready.json()["error"]["code"] == "broker_unavailable"
+            during, took = [], []
+            for _ in range(3):  # the API keeps accepting jobs: the row is the truth, the wake-up can wait
+                start = time.monotonic()
+                resp = client.post("/v1/fine_tuning/jobs", headers=key.headers, json=tiny_job())
+                took.append(time.monotonic() - start)
+                assert resp.status_code == 200, resp.text
+                assert resp.json()["status"] == "queued"
+                during.append(resp.json()["id"])
+            assert client.get(f"/v1/fine_tuning/jobs/{during[0]}", headers=key.headers).status_code == 200
+            time.sleep(1)
+            redis.start()  # empty: the wake-ups sent before the stop and the ones never sent are gone
+            ids = [first, *during]
+            jobs = [wait_job(client, key, jid, finished) for jid in ids]
+        assert [j["status"] for j in jobs] == ["succeeded"] * 4, jobs
+        assert max(took) < 30, took
+        engine = make_engine(fresh_db)
+        with make_sessionmaker(engine)() as s:
+            assert s.scalar(select(func.count()).select_from(Job)) == 4  # none lost, none duplicated
+            assert s.scalar(select(func.count()).select_from(Adapter)) == 4
+            for jid in ids:
+                done = s.scalars(select(JobEvent.message).where(JobEvent.job_id == jid,
+                                                                JobEvent.message.like("%successfully completed%")))
+                assert len(list(done)) == 1
+        engine.dispose()
+    finally:
+        redis.stop()
+
+
+def test_postgres_restart_answers_503_and_the_worker_finishes(worker_queue_env, start_workers, tmp_path):
+    if os.geteuid() == 0 and not shutil.which("runuser"):
+        pytest.skip("runuser is needed to start Postgres as the postgres user")
+    pg = PrivatePostgres()
+    try:
+        pg.start()
+        url = pg.create_db()
+        env = env_for(worker_queue_env, DATABASE_URL=url, QERL_LEASE_SECONDS="30", QERL_HEARTBEAT_SECONDS="1")
+        start_workers(1, **{k: env[k] for k in ("DATABASE_URL", "QERL_CELERY_QUEUE", "QERL_LEASE_SECONDS",
+                                                "QERL_HEARTBEAT_SECONDS")})
+        key = key_in(url, "pg")
+        with api(env, tmp_path) as client:
+            job_id = client.post("/v1/fine_tuning/jobs", headers=key.headers, json=tiny_job(steps=5)).json()["id"]
+            wait_job(client, key, job_id, lambda j: j["status"] == "running" and j["qerl"]["progress"]["step"] >= 1)
+            pg.stop()
+            down = time.monotonic()
+            for method, path, body in [("GET", f"/v1/fine_tuning/jobs/{job_id}", None),
+                                       ("GET", "/v1/fine_tuning/jobs", None),
+                                       ("POST", "/v1/fine_tuning/jobs", tiny_job()),
+                                       ("GET", f"/v1/fine_tuning/jobs/{job_id}/events", None)]:
+                resp = client.request(method, path, headers=key.headers, json=body)
+                assert resp.status_code == 503, (path, resp.status_code, resp.text)
+                err = resp.json()["error"]
+                assert err["code"] == "database_unavailable" and "retry" in err["message"]
+                assert int(resp.headers["retry-after"]) > 0
+            ready = client.get("/readyz")
+            assert ready.status_code == 503 and ready.json()["error"]["code"] == "database_unavailable"
+            pg.start()
+            outage = time.monotonic() - down
+            job = wait_job(client, key, job_id, finished)
+            assert client.get("/readyz").status_code == 200
+        assert job["status"] == "succeeded", job
+        assert job["qerl"]["attempt"] == 1, f"the worker should ride out a {outage:.1f} s outage without a requeue"
+        engine = make_engine(url)
+        with make_sessionmaker(engine)() as s:
+            assert s.scalar(select(func.count()).select_from(Job)) == 1  # the POST during the outage made nothing
+            steps = sorted(s.scalars(select(JobMetric.step).where(JobMetric.job_id == job_id, JobMetric.step > 0)))
+            assert steps == [1, 2, 3, 4, 5], steps  # no step's metrics lost to the outage
+        engine.dispose()
+    finally:
+        pg.destroy()
+
+
+def test_a_job_over_its_max_runtime_fails_once_with_a_clear_code(worker_queue_env, start_workers, fresh_db,
+                                                                   tmp_path):
+    env = env_for(worker_queue_env, DATABASE_URL=fresh_db)
+    start_workers(1, DATABASE_URL=fresh_db, QERL_CELERY_QUEUE=env["QERL_CELERY_QUEUE"])
+    key = key_in(fresh_db, "runtime")
+    with api(env, tmp_path) as client:
+        job_id = client.post("/v1/fine_tuning/jobs", headers=key.headers,
+                             json=tiny_job(steps=200, max_runtime_s=2)).json()["id"]
+        job = wait_job(client, key, job_id, finished)
+        assert job["status"] == "failed" and job["error"]["code"] == "max_runtime_exceeded", job
+        assert "max_runtime_s" in job["error"]["message"]
+        time.sleep(3 * float(env["QERL_REAP_INTERVAL_SECONDS"]) + float(env["QERL_LEASE_SECONDS"]))
+        again = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=key.headers).json()
+        events = client.get(f"/v1/fine_tuning/jobs/{job_id}/events?limit=1000", headers=key.headers).json()["data"]
+    assert again["status"] == "failed" and again["qerl"]["attempt"] == 1  # no requeue loop
+    assert again["qerl"]["progress"]["step"] < 200  # stopped early, not run to the end
+    messages = [e["message"] for e in events]
+    assert not any("requeued" in m or "Resuming" in m for m in messages), messages
+    assert sum("The job failed" in m for m in messages) == 1
+
+
+@contextmanager
+def small_filesystem(path: Path, size_mb: int) -> Iterator[str]:
+    """A size-limited tmpfs at ``path`` (real ENOSPC), or RLIMIT_FSIZE when mounting is not allowed."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "qerl-disk-full", str(path)],
+                             capture_output=True).returncode == 0 if shutil.which("mount") else False
+    try:
+        yield "tmpfs" if mounted else "rlimit"
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def test_disk_full_while_saving_a_checkpoint_keeps_the_previous_one(worker_queue_env, start_workers, fresh_db,
+                                                                     tmp_path):
+    from engine.checkpoint import list_checkpoints, load_checkpoint
+
+    artifacts = tmp_path / "artifacts"
+    env = env_for(worker_queue_env, DATABASE_URL=fresh_db, ARTIFACT_DIR=str(artifacts))
+    with small_filesystem(artifacts / "jobs", 64) as how:
+        if how != "tmpfs":
+            pytest.skip("mounting a size-limited tmpfs is not allowed here")
+        start_workers(1, DATABASE_URL=fresh_db, QERL_CELERY_QUEUE=env["QERL_CELERY_QUEUE"], ARTIFACT_DIR=str(artifacts))
+        key = key_in(fresh_db, "disk")
+        with api(env, tmp_path) as client:
+            job_id = client.post("/v1/fine_tuning/jobs", headers=key.headers,
+                                 json=tiny_job(steps=40, checkpoint_interval=2)).json()["id"]
+            ckpts = artifacts / "jobs" / job_id / "checkpoints"
+            deadline = time.monotonic() + 240
+            while not list_checkpoints(ckpts):
+                assert time.monotonic() < deadline, "no checkpoint was written"
+                time.sleep(0.05)
+            kept = list_checkpoints(ckpts)[-1]
+            filler = artifacts / "jobs" / "filler"
+            with open(filler, "wb") as fh:  # take every byte that is left
+                try:
+                    while True:
+                        fh.write(b"\0" * (1 << 20))
+                except OSError:
+                    pass
+            job = wait_job(client, key, job_id, finished)
+            events = client.get(f"/v1/fine_tuning/jobs/{job_id}/events?limit=1000", headers=key.headers).json()
+        assert job["status"] == "failed", job
+        assert "No space left on device" in job["error"]["message"], job["error"]
+        assert job["qerl"]["attempt"] == 1
+        # the previous checkpoint is intact and loads; no half-written step directory is visible
+        saved = list_checkpoints(ckpts)
+        assert kept in saved
+        ckpt = load_checkpoint(saved[-1])
+        assert ckpt.step >= 2 and ckpt.adapter and all(v.isfinite().all() for v in ckpt.adapter.values())
+        assert all(p.name.startswith("step-") for p in saved)
+        engine = make_engine(fresh_db)
+        with make_sessionmaker(engine)() as s:
+            rows = list(s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)))
+            assert rows and all((artifacts / r.path).is_dir() for r in rows)  # every recorded checkpoint exists
+        engine.dispose()
+        assert any(e["level"] == "error" for e in events["data"])
