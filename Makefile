@@ -8,6 +8,8 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 
+include mk/vllm.mk
+
 .PHONY: install demo test services clean
 
 install: $(STAMP)
@@ -26,8 +28,8 @@ demo: install
 services:
 	bash .ci/services.sh
 
-test: install services
+test: install vllm-env services
 	$(BIN)/python -m pytest -q -rs
 
 clean:
-	rm -rf $(VENV) var
+	rm -rf $(VENV) $(VLLM_VENV) var
