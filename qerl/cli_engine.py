@@ -104,14 +104,12 @@ def quantize_cmd(
     from engine.quant import ct_io
 
     try:
-        src = Path(model) if Path(model).is_dir() else Path(resolve_model_dir(model))
+        src = resolve_model_dir(model)  # registry names (the built-in GGUF is converted once)
+        out = ct_io.quantize_cli(str(src), str(out_dir))
     except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
-    if hasattr(ct_io, "quantize_cli"):
-        ct_io.quantize_cli(src, out_dir)
-    else:
-        ct_io.export_compressed_tensors(src, out_dir)
-    console.print(f"NVFP4 checkpoint written to {out_dir}")
+        console.print(f"[red]{exc}[/]")
+        raise typer.Exit(2) from None
+    console.print(f"NVFP4 checkpoint written to {out}")
 
 
 def register(app: typer.Typer) -> None:

@@ -1,0 +1,58 @@
+"""Held-out evaluation: greedy decoding with the adapter attached and no AQN noise.
+
+Each eval prompt gets one greedy (temperature 0) completion, graded in full by the job's
+grader, so the number measures the policy the user downloads rather than the noisy sampler
+the run explores with.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+from engine.metrics import is_correct, sample_metrics
+from engine.rl.aqn import clear_noise
+
+
+def evaluate(model: Any, tokenizer: Any, prompts: list[list[int]], items: list[dict[str, Any]], grader: Any,
+             sampling: Any, *, max_batch: int = 64,
+             should_stop: Callable[[], bool] | None = None) -> dict[str, float] | None:
+    """``eval/*`` metrics (see engine.metrics), or None when ``should_stop`` cut decoding short."""
+    from engine.rollout import generate
+
+    if not prompts:
+        return {}
+    greedy = dataclasses.replace(sampling, temperature=0.0, top_p=1.0, top_k=0)
+    clear_noise(model.aqn_norms())
+    generator = torch.Generator(device="cpu").manual_seed(0)  # unused by greedy decoding; never the run's
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            completions = generate(model, tokenizer, prompts, greedy, generator=generator,
+                                   should_stop=should_stop, max_batch=max_batch)
+    finally:
+        model.train(was_training)
+    if any(c.finish_reason == "cancelled" for c in completions):
+        return None
+    scores, parts, correct = grade(grader, completions, items)
+    return sample_metrics(scores, parts, correct, [len(c.token_ids) for c in completions],
+                          [c.finish_reason == "length" for c in completions], prefix="eval/")
+
+
+def grade(grader: Any, completions: list[Any], items: list[dict[str, Any]]
+          ) -> tuple[list[float], list[dict[str, float]], list[bool]]:
+    """(scores, parts, correct) per completion; a row the grader cannot read is a dataset error."""
+    from engine.types import TrainError
+
+    scores, parts, correct = [], [], []
+    for c, item in zip(completions, items):
+        try:
+            score, p = grader(c.text, item)
+        except ValueError as exc:
+            raise TrainError("invalid_dataset", str(exc)) from None
+        scores.append(float(score))
+        parts.append({k: float(v) for k, v in p.items()})
+        correct.append(is_correct(float(score), p, grader))
+    return scores, parts, correct

@@ -1,0 +1,479 @@
+"""One RL fine-tuning run (QeRL): NVFP4 base + LoRA, GRPO/DAPO updates, AQN exploration.
+
+Each rollout step, for ``prompts_per_step`` prompts x G samples:
+
+ 1. AQN: draw fresh channel-wise noise (sigma from the stage schedule over the whole run) on
+    the norms feeding q/k/v and gate/up; the sampler sees it, the learner only when
+    ``aqn.apply_in_training``.
+ 2. Rollout with the adapter attached, keeping the sampler's per-token log-probs.
+ 3. Grade; group advantages (r - mean_G) / (std_G + eps); DAPO's dynamic sampling drops groups
+    whose G rewards are equal (if every group drops, no update runs but the step counts).
+ 4. Reference log-probs (LoRA off, no noise) only when ``rl.kl_coef`` > 0; old log-probs from the
+    learner before the update (with ``rl.mu`` == 1 they are the current ones, detached).
+ 5. ``rl.mu`` optimizer updates, each over micro-batches with gradient accumulation. The loss
+    denominator (token count for DAPO's token mean) is taken over the whole rollout batch, so
+    micro-batching never changes the gradient. Then grad-norm clip, AdamW, LR schedule.
+
+``should_stop()`` is polled at every step boundary and inside rollouts. A stop saves a
+checkpoint of the last step boundary and returns ``stopped=True``. Checkpoints hold every random
+stream and the data position, so a resumed run is bit-identical to an uninterrupted one on CPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from engine import checkpoint as ckpt
+from engine.evaluate import evaluate, grade
+from engine.metrics import UpdateStats, peak_memory_mb, sample_metrics
+from engine.rl.advantages import group_advantages, keep_groups
+from engine.rl.aqn import apply_noise, clear_noise, sigma_for_step
+from engine.rl.loss import effective_mask, loss_denominator, policy_loss
+from engine.spec import TrainSpec
+from engine.train_batch import DataCursor, RolloutBatch, build_batch, encode_prompts
+from engine.types import Reporter, TrainError, TrainResult
+
+_OOM_ADVICE = ("out of memory: lower micro_batch_size, rollout.max_batch, rollout.max_new_tokens or "
+               "rollout.num_generations, or keep gradient_checkpointing on")
+
+
+def train(spec: TrainSpec, *, workdir: Path, reporter: Reporter, should_stop: Callable[[], bool],
+          resume_from: Path | None = None) -> TrainResult:
+    """Run (or resume) the job described by ``spec`` in ``workdir``; see the module docstring."""
+    try:
+        run = _Run(spec, Path(workdir), reporter, should_stop)
+        try:
+            return run.run(Path(resume_from) if resume_from is not None else None)
+        finally:
+            run.close()
+    except torch.cuda.OutOfMemoryError as exc:
+        raise TrainError("out_of_memory", _OOM_ADVICE) from exc
+    except RuntimeError as exc:
+        text = str(exc).lower()
+        if "out of memory" in text or "can't allocate memory" in text:
+            raise TrainError("out_of_memory", _OOM_ADVICE) from exc
+        raise
+
+
+def seed_everything(seed: int, device: torch.device) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    if device.type == "cpu":
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise TrainError("device_unavailable", f"device={name!r} but no CUDA GPU is visible; use \"auto\" or \"cpu\"")
+    return device
+
+
+@dataclasses.dataclass
+class _Boundary:
+    """What changes during a rollout step before the update: restored on a mid-step stop."""
+
+    rng: dict[str, Any]
+    data: dict[str, int]
+
+
+class _Run:
+    def __init__(self, spec: TrainSpec, workdir: Path, reporter: Reporter, should_stop: Callable[[], bool]) -> None:
+        self.spec, self.workdir, self.reporter, self.should_stop = spec, workdir, reporter, should_stop
+        self.t_start = time.monotonic()
+        self.elapsed_before = 0.0  # runtime of earlier attempts (from the checkpoint)
+        self.step = 0  # optimizer steps done
+        self.trained_tokens = 0
+        self.initial_eval: dict[str, float] = {}
+        self.last_metrics: dict[str, float] = {}
+        self.rollout: Any = None  # engine.rollout.backend.RolloutBackend, from _setup
+
+    def close(self) -> None:
+        if self.rollout is not None:
+            self.rollout.close()
+            self.rollout = None
+
+    # -- setup ------------------------------------------------------------------------------
+    def _setup(self) -> None:
+        from engine.data import load_examples
+        from engine.lora import adapter_params
+        from engine.model import load_model
+        from engine.optim import build_optimizer, build_scheduler
+        from engine.rewards import build_grader
+        from engine.rollout import SamplingParams
+        from engine.rollout.backend import make_rollout_backend
+
+        spec = self.spec
+        self.device = pick_device(spec.device)
+        seed_everything(spec.seed, self.device)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.grader = build_grader(spec.grader)
+        except ValueError as exc:
+            raise TrainError("invalid_grader", str(exc)) from None
+        try:
+            train_ex, eval_ex = load_examples(spec.data, spec.seed)
+        except TrainError:
+            raise
+        except (ValueError, FileNotFoundError) as exc:
+            raise TrainError("invalid_dataset", str(exc)) from None
+        try:
+            self.model, self.tokenizer = load_model(spec.model, quantization=spec.quantization, lora=spec.lora,
+                                                    device=self.device)
+        except (ValueError, FileNotFoundError) as exc:
+            raise TrainError("unknown_model", str(exc)) from None
+        self.model_dir = getattr(self.model, "model_dir", None) or _model_dir(spec.model)
+        if hasattr(self.model, "gradient_checkpointing"):
+            self.model.gradient_checkpointing = bool(spec.gradient_checkpointing)
+        self.train_prompts = encode_prompts(self.tokenizer, train_ex, spec.data.max_prompt_tokens, "training")
+        self.eval_prompts = encode_prompts(self.tokenizer, eval_ex, spec.data.max_prompt_tokens, "validation")
+        self.train_items = [ex.item for ex in train_ex]
+        self.eval_items = [ex.item for ex in eval_ex]
+        self.cursor = DataCursor(len(train_ex), spec.seed)
+        self.params = adapter_params(self.model)
+        self.optimizer = build_optimizer(self.params, spec.optim, self.device)
+        self.scheduler = build_scheduler(self.optimizer, spec.optim, spec.steps)
+        r = spec.rollout
+        self.sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                                       top_k=r.top_k, stop=list(r.stop),
+                                       eos_token_ids=list(getattr(self.model, "eos_token_ids", None) or []))
+        # One generator per random stream, so none of them shifts when another draws more or less.
+        self.generators = {
+            "sampling": torch.Generator(device=_generator_device(self.device)).manual_seed(spec.seed + 1),
+            "aqn": torch.Generator(device="cpu").manual_seed(spec.seed + 2),
+        }
+        self.rollout = make_rollout_backend(r, self.model, self.tokenizer, workdir=self.workdir / "rollout",
+                                            max_model_len=spec.data.max_prompt_tokens + r.max_new_tokens)
+
+    def _restore(self, path: Path) -> None:
+        from engine.lora import load_adapter_state_dict
+
+        try:
+            saved = ckpt.load_checkpoint(path)
+        except (FileNotFoundError, KeyError, ValueError) as exc:
+            raise TrainError("invalid_checkpoint", f"cannot resume from {path}: {exc}") from None
+        now, then = _jsonable(self.spec), saved.spec
+        for part in (now, then):  # file paths may move between attempts; the row count is checked
+            for key in ("train_file", "validation_file"):
+                part.get("data", {}).pop(key, None)
+        for key in ("model", "quantization", "lora", "seed", "steps", "data"):
+            if then.get(key) != now.get(key):
+                raise TrainError("invalid_checkpoint", f"the checkpoint at {saved.path} was made with a different "
+                                                       f"{key}; resume with the spec it was started with")
+        load_adapter_state_dict(self.model, saved.adapter)
+        self.optimizer.load_state_dict(saved.optimizer)
+        self.scheduler.load_state_dict(saved.scheduler)
+        ckpt.restore_rng(saved.rng, self.generators)
+        self.cursor.load(saved.state["data"])
+        self.step = saved.step
+        self.trained_tokens = int(saved.state.get("trained_tokens", 0))
+        self.elapsed_before = float(saved.state.get("elapsed_s", 0.0))
+        self.initial_eval = dict(saved.state.get("initial_eval", {}))
+        self.last_metrics = dict(saved.state.get("metrics", {}))
+        self.reporter.event("info", f"Resumed from checkpoint step {self.step}",
+                            {"step": self.step, "checkpoint": str(saved.path)})
+
+    # -- main loop --------------------------------------------------------------------------
+    def run(self, resume_from: Path | None) -> TrainResult:
+        spec = self.spec
+        self._setup()
+        if resume_from is not None:
+            self._restore(resume_from)
+        else:
+            self.reporter.event("info", f"Training {spec.model} ({spec.quantization} base, LoRA r={spec.lora.r}, "
+                                        f"{spec.rl.algorithm}, AQN {'on' if spec.aqn.enabled else 'off'}) for "
+                                        f"{spec.steps} steps on {self.device.type}",
+                                {"steps": spec.steps, "device": str(self.device), "rollout_backend": self.rollout.name,
+                                 "train_prompts": len(self.train_prompts), "eval_prompts": len(self.eval_prompts)})
+        if self.step == 0 and not self.initial_eval:
+            result = self._evaluate()
+            if result is None:
+                return self._stop(self._boundary())
+            self.initial_eval = result
+
+        while self.step < spec.steps:
+            boundary = self._boundary()
+            if self.should_stop():
+                return self._stop(boundary)
+            if spec.max_runtime_s is not None and self._elapsed() > spec.max_runtime_s:
+                path = self._save(boundary)
+                raise TrainError("max_runtime_exceeded",
+                                 f"the run took longer than max_runtime_s={spec.max_runtime_s:g} s at step "
+                                 f"{self.step}/{spec.steps}; checkpoint saved at {path}; raise max_runtime_s "
+                                 f"or lower steps, then resume")
+            before = self.step
+            metrics = self._rollout_step()
+            if metrics is None:  # stopped inside the rollout
+                return self._stop(boundary)
+            self.last_metrics = metrics
+            self.reporter.metrics(self.step, metrics)
+            if _crossed(before, self.step, spec.eval_interval) and self.step < spec.steps:
+                self._evaluate()
+            if _crossed(before, self.step, spec.checkpoint_interval):
+                self._save(self._boundary())
+        return self._finish()
+
+    def _rollout_step(self) -> dict[str, float] | None:
+        spec, G = self.spec, self.spec.rollout.num_generations
+        t0 = time.monotonic()
+        n_updates = min(spec.rl.mu, spec.steps - self.step)
+        norms = self.model.aqn_norms()
+        sigma = sigma_for_step(self.step, spec.steps, spec.aqn)
+        apply_noise(norms, sigma, self.generators["aqn"])
+        noise = [n.noise for n in norms]
+        self.rollout.sync(self.step)  # the sampler gets the LoRA of the last update and this step's noise
+
+        idx = self.cursor.take(spec.prompts_per_step)
+        prompts = [self.train_prompts[i] for i in idx for _ in range(G)]  # prompt-major: N x G
+        items = [self.train_items[i] for i in idx for _ in range(G)]
+        self.model.eval()
+        t_gen = time.monotonic()
+        with torch.no_grad():
+            completions = self.rollout.generate(prompts, self.sampling, generator=self.generators["sampling"],
+                                                should_stop=self.should_stop)
+        gen_s = time.monotonic() - t_gen
+        if any(c.finish_reason == "cancelled" for c in completions):
+            clear_noise(norms)
+            return None
+
+        scores, parts, correct = grade(self.grader, completions, items)
+        rewards = torch.tensor(scores, dtype=torch.float32)  # (N*G,)
+        adv, zero_var = group_advantages(rewards, G, std_normalize=spec.rl.std_normalize, eps=spec.rl.adv_eps)
+        keep = keep_groups(zero_var, G, spec.rl)  # (N*G,) bool
+        n_tokens = sum(len(c.token_ids) for c in completions)
+
+        metrics = sample_metrics(scores, parts, correct, [len(c.token_ids) for c in completions],
+                                 [c.finish_reason == "length" for c in completions])
+        metrics.update(zero_var_frac=float(zero_var.float().mean()), aqn_sigma=sigma,
+                       rollout_tokens_per_s=n_tokens / max(gen_s, 1e-9), rollout_s=gen_s)
+
+        clear_noise(norms)
+        rows = keep.nonzero().flatten().tolist()
+        if rows:
+            batch = build_batch([completions[i] for i in rows], adv[rows], pad_id=_pad_id(self.tokenizer),
+                                device=self.device)
+            metrics.update(self._train_on(batch, norms, noise, n_updates))
+        else:
+            metrics["updates_skipped"] = 1.0
+            for _ in range(n_updates):  # the step counts: keep the LR schedule on the step count
+                _scheduler_step(self.scheduler)
+        clear_noise(norms)
+        self.step += n_updates
+        metrics.setdefault("updates_skipped", 0.0)
+        metrics.update(step_s=time.monotonic() - t0, peak_memory_mb=peak_memory_mb(self.device),
+                       trained_tokens=float(self.trained_tokens))
+        return metrics
+
+    def _train_on(self, batch: RolloutBatch, norms: list, noise: list, n_updates: int) -> dict[str, float]:
+        with _dense_base(self.model, enabled=self.device.type == "cpu"):
+            return self._train_on_batch(batch, norms, noise, n_updates)
+
+    def _train_on_batch(self, batch: RolloutBatch, norms: list, noise: list, n_updates: int) -> dict[str, float]:
+        from engine.lora import lora_disabled
+        from engine.optim import clip_grad_norm
+
+        spec = self.spec
+        mbs = batch.split(spec.micro_batch_size)
+        denom = loss_denominator(batch.loss_mask, spec.rl, truncated=batch.truncated,
+                                 max_len=spec.rollout.max_new_tokens)
+        self.model.eval()
+        with torch.no_grad():
+            if spec.rl.kl_coef > 0:  # reference policy: the base alone, no noise
+                with lora_disabled(self.model):
+                    for mb in mbs:
+                        mb.ref_logp = self._logprobs(mb)[0]
+            if spec.aqn.apply_in_training:
+                _set_noise(norms, noise)
+            if spec.rl.mu > 1:
+                for mb in mbs:
+                    mb.old_logp = self._logprobs(mb)[0]
+        self.model.train()
+        out: dict[str, float] = {}
+        for _ in range(n_updates):
+            self.optimizer.zero_grad(set_to_none=True)
+            acc = UpdateStats()
+            for mb in mbs:
+                logp, entropy = self._logprobs(mb)  # (b, t-1) each, fp32
+                old = mb.old_logp if mb.old_logp is not None else logp.detach()
+                loss, stats = policy_loss(logp, old, mb.advantages, mb.loss_mask, spec.rl,
+                                          sampler_logp=mb.sampler_logp, ref_logp=mb.ref_logp,
+                                          truncated=mb.truncated, denominator=denom,
+                                          max_len=spec.rollout.max_new_tokens)
+                loss.backward()
+                acc.add(stats, effective_mask(mb.loss_mask, spec.rl, mb.truncated), entropy.detach(),
+                        old.detach(), mb.sampler_logp)
+            lr = float(self.optimizer.param_groups[0]["lr"])
+            grad_norm = clip_grad_norm(self.params, spec.optim.grad_clip)
+            self.optimizer.step()
+            _scheduler_step(self.scheduler)
+            out = acc.result()
+            out.update(grad_norm=grad_norm, lr=lr)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.trained_tokens += int(out.get("tokens", 0.0))
+        out.pop("tokens", None)
+        out["kl"] = out["kl_ref"] if spec.rl.kl_coef > 0 else out["kl_sampler"]
+        return out
+
+    def _logprobs(self, mb: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        logp, entropy = self.model.token_logprobs(mb.input_ids, mb.attention_mask, from_position=mb.first_col,
+                                                  temperature=self.spec.rollout.temperature)  # (b, t-1) each
+        return logp.float(), entropy.float()
+
+    # -- evaluation, checkpoints, the end -------------------------------------------------------
+    def _evaluate(self) -> dict[str, float] | None:
+        if not self.eval_prompts:
+            return {}
+        t0 = time.monotonic()
+        result = evaluate(self.model, self.tokenizer, self.eval_prompts, self.eval_items, self.grader,
+                          self.sampling, max_batch=self.spec.rollout.max_batch, should_stop=self.should_stop)
+        if result is None:
+            return None
+        result["eval/seconds"] = time.monotonic() - t0
+        self.reporter.metrics(self.step, result)
+        self.reporter.event("info", f"Evaluation at step {self.step}: reward {result['eval/reward_mean']:.3f}, "
+                                    f"accuracy {result['eval/accuracy']:.3f} on {len(self.eval_prompts)} prompts",
+                            {"step": self.step, **result})
+        self.last_eval = result
+        return result
+
+    def _boundary(self) -> _Boundary:
+        return _Boundary(rng=ckpt.capture_rng(self.generators), data=self.cursor.state())
+
+    def _elapsed(self) -> float:
+        return self.elapsed_before + time.monotonic() - self.t_start
+
+    def _save(self, boundary: _Boundary) -> Path:
+        from engine.lora import adapter_state_dict
+
+        state = {"data": boundary.data, "trained_tokens": self.trained_tokens, "elapsed_s": self._elapsed(),
+                 "initial_eval": self.initial_eval, "metrics": self.last_metrics,
+                 "aqn": {"sigma_next": sigma_for_step(self.step, self.spec.steps, self.spec.aqn)}}
+        path = ckpt.save_checkpoint(self.workdir / "checkpoints", self.step, adapter=adapter_state_dict(self.model),
+                                    optimizer=self.optimizer.state_dict(), scheduler=self.scheduler.state_dict(),
+                                    rng=boundary.rng, state=state, spec=_jsonable(self.spec), keep=2)
+        self.reporter.checkpoint(self.step, path, dict(self.last_metrics))
+        self.reporter.event("info", f"Checkpoint saved at step {self.step}", {"step": self.step, "path": str(path)})
+        return path
+
+    def _final_metrics(self) -> dict[str, float]:
+        final = dict(self.last_metrics)
+        final.update(getattr(self, "last_eval", {}) or {})
+        final.update({f"eval_initial/{k.split('/', 1)[1]}": v for k, v in self.initial_eval.items()
+                      if k.startswith("eval/")})
+        return final
+
+    def _stop(self, boundary: _Boundary) -> TrainResult:
+        path = self._save(boundary)
+        adapter = self._write_adapter(stopped=True)
+        self.reporter.event("info", f"Stopped at step {self.step}/{self.spec.steps}; checkpoint {path.name}",
+                            {"step": self.step, "checkpoint": str(path)})
+        return TrainResult(adapter_dir=adapter, steps=self.step, metrics=self._final_metrics(), stopped=True)
+
+    def _finish(self) -> TrainResult:
+        result = self._evaluate()
+        if result is None:
+            return self._stop(self._boundary())
+        adapter = self._write_adapter(stopped=False)
+        final = self._final_metrics()
+        self.reporter.event("info", f"Training finished: {self.step} steps in {self._elapsed():.0f} s; "
+                                    f"eval accuracy {self.initial_eval.get('eval/accuracy', float('nan')):.3f} -> "
+                                    f"{final.get('eval/accuracy', float('nan')):.3f}",
+                            {"steps": self.step, "adapter_dir": str(adapter), **final})
+        return TrainResult(adapter_dir=adapter, steps=self.step, metrics=final, stopped=False)
+
+    def _write_adapter(self, *, stopped: bool) -> Path:
+        from engine.manifest import write_adapter
+
+        return write_adapter(self.model, self.workdir / "adapter", spec=self.spec, steps=self.step,
+                             metrics=self._final_metrics(), model_dir=self.model_dir, stopped=stopped)
+
+
+@contextmanager
+def _dense_base(model: Any, *, enabled: bool) -> Iterator[None]:
+    """Serve every quantized projection from one dense copy for the whole update (forward,
+    checkpoint recompute and backward), as engine.rollout.dense does for rollouts: the same
+    dequantize and matmul, so the numbers are identical, but dequantized once per rollout step
+    instead of three times per micro-batch. On CPU only: GPUs read the 4-bit weights directly."""
+    from engine.quant.base import FrozenLinear
+
+    layers = [m for m in model.modules() if isinstance(m, FrozenLinear) and m.fmt != "bf16"] if enabled else []
+    try:
+        for layer in layers:
+            w = layer.dequantize(model.dtype)  # (out, in)
+            # instance attributes shadow the class's methods until removed
+            layer._matmul = partial(_dense_matmul, w)
+            layer._matmul_t = partial(_dense_matmul_t, w)
+        yield
+    finally:
+        for layer in layers:
+            layer.__dict__.pop("_matmul", None)
+            layer.__dict__.pop("_matmul_t", None)
+
+
+def _dense_matmul(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
+    return torch.matmul(x, w.to(x.dtype).t())
+
+
+def _dense_matmul_t(w: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:  # (..., out) -> (..., in)
+    return torch.matmul(dy, w.to(dy.dtype))
+
+
+def _crossed(before: int, after: int, interval: int) -> bool:
+    return interval > 0 and after // interval > before // interval
+
+
+def _scheduler_step(scheduler: Any) -> None:
+    import warnings
+
+    with warnings.catch_warnings():  # a skipped update steps the schedule without optimizer.step()
+        warnings.simplefilter("ignore", UserWarning)
+        scheduler.step()
+
+
+def _set_noise(norms: list, noise: list) -> None:
+    for norm, z in zip(norms, noise):
+        norm.noise = z
+
+
+def _pad_id(tokenizer: Any) -> int:
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(tokenizer, "eos_token_id", None)
+    return int(pad) if pad is not None else 0
+
+
+def _generator_device(device: torch.device) -> str:
+    return "cpu" if device.type == "cpu" else str(device)
+
+
+def _model_dir(name: str) -> Path | None:
+    """The local directory holding the base weights (for the manifest's hashes)."""
+    p = Path(name)
+    if p.is_dir():
+        return p
+    try:
+        from engine.model.load import resolve_model_dir
+
+        return Path(resolve_model_dir(name))
+    except Exception:  # noqa: BLE001 - a Hub id without a local copy: the manifest names it only
+        return None
+
+
+def _jsonable(value: Any) -> Any:
+    import json
+
+    if dataclasses.is_dataclass(value):
+        value = dataclasses.asdict(value)
+    return json.loads(json.dumps(value, default=lambda o: list(o) if isinstance(o, tuple) else str(o)))
+
+
+__all__ = ["train", "seed_everything", "pick_device"]

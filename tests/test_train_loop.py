@@ -1,0 +1,212 @@
+"""The training loop on a tiny random model (CPU): what changes, stopping, errors, learning.
+
+The tiny model's lm_head is scaled up 4x so its next-token distribution is peaked (entropy
+~5 nats instead of ~10.8 for a uniform vocabulary): a random model then has a few likely
+tokens per position, which gives rewards a variance to learn from.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import NullReporter, TrainError, TrainSpec, train
+from engine.checkpoint import list_checkpoints, load_checkpoint
+from engine.manifest import MANIFEST, sha256_file, verify_adapter
+
+E_SIMILARITY = {"type": "text_similarity", "input": "{{sample.output_text}}", "reference": "{{item.answer}}",
+                "evaluation_metric": "fuzzy_match"}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    from engine.model.tiny import make_tiny_model
+
+    out = make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", tie_word_embeddings=False)
+    weights = out / "model.safetensors"
+    sd = load_file(str(weights))
+    sd["lm_head.weight"] = sd["lm_head.weight"] * 4.0
+    save_file(sd, str(weights), metadata={"format": "pt"})
+    return out
+
+
+def write_rows(path: Path, n: int = 12, answer: str = "e" * 16) -> Path:
+    path.write_text("".join(json.dumps({"prompt": f"Say e {i}", "answer": answer}) + "\n" for i in range(n)))
+    return path
+
+
+def make_spec(model_dir: Path, data_file: Path, **over) -> TrainSpec:
+    spec = {
+        "model": str(model_dir), "quantization": "nvfp4", "grader": E_SIMILARITY,
+        "data": {"train_file": str(data_file), "eval_size": 2, "one_shot": False, "system_prompt": "",
+                 "max_prompt_tokens": 64},
+        "lora": {"r": 4, "alpha": 8},
+        "aqn": {"enabled": True, "sigma_start": 1e-2, "sigma_end": 1e-3, "stages": 2},
+        "rollout": {"num_generations": 4, "max_new_tokens": 6, "max_batch": 16},
+        "rl": {"mask_truncated": False},  # a random model never ends a sample: train on truncated ones
+        "optim": {"lr": 1e-2, "warmup_ratio": 0.0},
+        "steps": 2, "prompts_per_step": 2, "micro_batch_size": 3, "checkpoint_interval": 0, "seed": 0,
+        "device": "cpu",
+    }
+    for key, value in over.items():
+        if isinstance(value, dict):
+            spec[key] = {**spec.get(key, {}), **value}
+        else:
+            spec[key] = value
+    return TrainSpec.from_dict(spec)
+
+
+def test_updates_change_the_adapter_only(tiny_dir, tmp_path):
+    from engine.lora import adapter_params
+    from engine.train_loop import _Run
+
+    spec = make_spec(tiny_dir, write_rows(tmp_path / "d.jsonl"), steps=4, rl={"mu": 2, "kl_coef": 0.05})
+    run = _Run(spec, tmp_path / "run", NullReporter(), lambda: False)
+    run._setup()
+    trainable = {id(p) for p in run.model.parameters() if p.requires_grad}
+    assert trainable == {id(p) for p in adapter_params(run.model)}
+    adapter_names = {n for n, p in run.model.named_parameters() if id(p) in trainable}
+    before = {k: v.detach().clone() for k, v in run.model.state_dict().items()}
+
+    sigmas = [run._rollout_step()["aqn_sigma"] for _ in range(2)]  # 2 rollouts x mu=2 updates
+    assert run.step == 4 and sigmas[0] == 0.0 and sigmas[1] == pytest.approx(1e-2)
+    after = run.model.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed, "no weight changed"
+    assert changed <= adapter_names, f"base tensors changed: {sorted(changed - adapter_names)[:3]}"
+    assert any(k.endswith("lora_B") for k in changed)
+    assert all(n.noise is None for n in run.model.aqn_norms())  # AQN noise never outlives a step
+    from engine.quant.base import FrozenLinear
+
+    frozen = [m for m in run.model.modules() if isinstance(m, FrozenLinear)]
+    assert frozen and not any("_matmul" in m.__dict__ or "_matmul_t" in m.__dict__ for m in frozen)
+
+
+def test_resume_is_bit_identical(tiny_dir, tmp_path):
+    """4 steps straight == 2 steps, stop inside the 3rd rollout, restart from the checkpoint, 2 more."""
+    data = write_rows(tmp_path / "d.jsonl")
+    over = dict(steps=4, checkpoint_interval=2, lora={"r": 4, "alpha": 8, "dropout": 0.1},
+                rl={"kl_coef": 0.05}, aqn={"apply_in_training": True})
+    straight = NullReporter()
+    res_a = train(make_spec(tiny_dir, data, **over), workdir=tmp_path / "a", reporter=straight,
+                  should_stop=lambda: False)
+
+    first = NullReporter()
+    calls = {"n": 0}
+
+    def stop_in_third_rollout() -> bool:
+        if sum("reward_mean" in m for _, m in first.steps) < 2:
+            return False
+        calls["n"] += 1
+        return calls["n"] > 1  # the step-boundary check passes; generate's poll stops
+
+    res_b1 = train(make_spec(tiny_dir, data, **over), workdir=tmp_path / "b", reporter=first,
+                   should_stop=stop_in_third_rollout)
+    assert res_b1.stopped and res_b1.steps == 2
+    ckpt_dir = tmp_path / "b" / "checkpoints" / "step-000002"
+    assert load_checkpoint(ckpt_dir).step == 2
+
+    torch.manual_seed(1234)  # a new process starts from other random states
+    torch.randn(100)
+    second = NullReporter()
+    res_b2 = train(make_spec(tiny_dir, data, **over), workdir=tmp_path / "b", reporter=second,
+                   should_stop=lambda: False, resume_from=ckpt_dir)
+    assert not res_b2.stopped and res_b2.steps == 4
+    assert any("Resumed from checkpoint step 2" in msg for _, msg, _ in second.events)
+
+    wa = load_file(str(res_a.adapter_dir / "adapter_model.safetensors"))
+    wb = load_file(str(res_b2.adapter_dir / "adapter_model.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+    steps_a = {s: m for s, m in straight.steps if "reward_mean" in m}
+    steps_b = {s: m for s, m in second.steps if "reward_mean" in m}
+    assert sorted(steps_b) == [3, 4]
+    for s in (3, 4):
+        assert steps_a[s]["reward_mean"] == steps_b[s]["reward_mean"]
+        assert steps_a[s]["loss"] == steps_b[s]["loss"]
+
+
+def test_stop_at_a_step_boundary_saves_a_checkpoint(tiny_dir, tmp_path):
+    rep = NullReporter()
+    spec = make_spec(tiny_dir, write_rows(tmp_path / "d.jsonl"), steps=3)
+    res = train(spec, workdir=tmp_path / "run", reporter=rep,
+                should_stop=lambda: any("reward_mean" in m for _, m in rep.steps))
+    assert res.stopped and res.steps == 1
+    assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step-000001"]
+    assert rep.checkpoints == [(1, tmp_path / "run" / "checkpoints" / "step-000001")]
+    manifest = verify_adapter(res.adapter_dir)
+    assert manifest["steps"] == 1 and manifest["stopped_early"] is True
+    assert manifest["base_model"]["weights_sha256"]["model.safetensors"] == sha256_file(tiny_dir / "model.safetensors")
+    config = json.loads((res.adapter_dir / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(tiny_dir) and config["r"] == 4
+
+
+def test_bad_rows_name_their_line(tiny_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "answer": "e"}\n{"prompt": "b", "answer": "e"}\n{"prompt": 3}\n')
+    with pytest.raises(TrainError, match="line 3") as err:
+        train(make_spec(tiny_dir, bad), workdir=tmp_path / "r1", reporter=NullReporter(), should_stop=lambda: False)
+    assert err.value.code == "invalid_dataset"
+
+    long = write_rows(tmp_path / "long.jsonl", n=6)
+    lines = long.read_text().splitlines()
+    lines[3] = json.dumps({"prompt": "word " * 200, "answer": "e"})
+    long.write_text("\n".join(lines) + "\n")
+    with pytest.raises(TrainError, match=r"line 4: .*max_prompt_tokens=64") as err:
+        train(make_spec(tiny_dir, long), workdir=tmp_path / "r2", reporter=NullReporter(), should_stop=lambda: False)
+    assert err.value.code == "invalid_dataset"
+
+
+def test_max_runtime_checkpoints_then_fails(tiny_dir, tmp_path):
+    spec = make_spec(tiny_dir, write_rows(tmp_path / "d.jsonl"), max_runtime_s=1e-3, data={"eval_size": 0})
+    with pytest.raises(TrainError) as err:
+        train(spec, workdir=tmp_path / "run", reporter=NullReporter(), should_stop=lambda: False)
+    assert err.value.code == "max_runtime_exceeded" and "max_runtime_s" in str(err.value)
+    assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step-000000"]
+
+
+def test_reward_rises_on_a_learnable_task(tiny_dir, tmp_path):
+    """GRPO on 'write text that looks like eeee...' (continuous fuzzy-match reward).
+
+    Seeds 0-3 rose by 0.37, 0.30, 0.19, 0.11 (mean of the last 3 steps minus the first 3)."""
+    spec = make_spec(tiny_dir, write_rows(tmp_path / "d.jsonl", n=8), steps=10, prompts_per_step=2,
+                     rollout={"num_generations": 8, "max_new_tokens": 8}, micro_batch_size=16,
+                     optim={"lr": 5e-2, "schedule": "constant", "grad_clip": 1.0, "weight_decay": 0.0},
+                     aqn={"enabled": False}, data={"eval_size": 0})
+    rep = NullReporter()
+    train(spec, workdir=tmp_path / "run", reporter=rep, should_stop=lambda: False)
+    rewards = [m["reward_mean"] for _, m in rep.steps if "reward_mean" in m]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert last > first + 0.05, f"reward did not rise: {[round(r, 3) for r in rewards]}"
+
+
+def test_cli_train_and_quantize(tiny_dir, tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    from engine.model import load_model
+    from qerl.cli_engine import register
+
+    app = typer.Typer()
+    register(app)
+    spec = make_spec(tiny_dir, write_rows(tmp_path / "d.jsonl"), steps=1)
+    (tmp_path / "spec.json").write_text(json.dumps(spec.to_dict()))
+    runner = CliRunner()
+    result = runner.invoke(app, ["train", str(tmp_path / "spec.json"), "--workdir", str(tmp_path / "run")])
+    assert result.exit_code == 0, result.output
+    assert "finished after 1 steps" in result.output
+    assert (tmp_path / "run" / "adapter" / MANIFEST).is_file()
+
+    bad = runner.invoke(app, ["train", str(tmp_path / "d.jsonl")])
+    assert bad.exit_code != 0
+
+    result = runner.invoke(app, ["quantize", str(tiny_dir), str(tmp_path / "nvfp4")])
+    assert result.exit_code == 0, result.output
+    model, _ = load_model(str(tmp_path / "nvfp4"), quantization="nvfp4")
+    assert model.model.layers[0].self_attn.q_proj.fmt == "nvfp4"
+    again = runner.invoke(app, ["quantize", str(tiny_dir), str(tmp_path / "nvfp4")])
+    assert again.exit_code == 2 and "not empty" in again.output
