@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU session behind benchmarks/RESULTS_gpu.md: correctness first, then the measurements in
+# The GPU session behind the GPU section of benchmarks/RESULTS.md: correctness first, then the measurements in
 # priority order, each stage only while the session's time budget (BUDGET seconds) lasts.
 # Usage (repository root, on the GPU machine): OUT=dir BUDGET=480 bash benchmarks/run_gpu.sh
 set -u
