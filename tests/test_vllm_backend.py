@@ -148,7 +148,9 @@ class TestWithAnAdapter:
         try:
             backend.sync(2)
             noisy = backend.generate(prompts, params, generator=None)
-            _assert_same(_native(model, tok, prompts, params), noisy)
+            # vLLM adds the noise to its own norm weights: other op order, so a little looser than FP32_TOL,
+            # still 10x below the change the noise itself makes (asserted below)
+            _assert_same(_native(model, tok, prompts, params), noisy, tol=1e-3)
         finally:
             clear_noise(norms)
         diff = max(float((a.logprobs[:n] - b.logprobs[:n]).abs().max())
