@@ -28,7 +28,7 @@ def encode_prompts(tokenizer: Any, examples: Sequence[Any], max_tokens: int, spl
         ids = apply_chat_template(tokenizer, ex.messages)
         if len(ids) > max_tokens:
             where = _row_name(ex, i)
-            raise TrainError("invalid_dataset", f"{split} {where}: the prompt is {len(ids)} tokens, more than "
+            raise TrainError("invalid_dataset", f"{where} ({split} split): the prompt is {len(ids)} tokens, more than "
                                                 f"data.max_prompt_tokens={max_tokens}; shorten it or raise "
                                                 f"data.max_prompt_tokens")
         out.append(ids)

@@ -135,7 +135,7 @@ class _Run:
         if hasattr(self.model, "gradient_checkpointing"):
             self.model.gradient_checkpointing = bool(spec.gradient_checkpointing)
         self.train_prompts = encode_prompts(self.tokenizer, train_ex, spec.data.max_prompt_tokens, "training")
-        self.eval_prompts = encode_prompts(self.tokenizer, eval_ex, spec.data.max_prompt_tokens, "validation")
+        self.eval_prompts = encode_prompts(self.tokenizer, eval_ex, spec.data.max_prompt_tokens, "eval")
         self.train_items = [ex.item for ex in train_ex]
         self.eval_items = [ex.item for ex in eval_ex]
         self.cursor = DataCursor(len(train_ex), spec.seed)

@@ -30,7 +30,8 @@ def test_demo_spec_runs_one_step(tmp_path):
     assert rep.checkpoints and rep.checkpoints[0][0] == 1
 
     manifest = verify_adapter(result.adapter_dir)
-    assert manifest["quantization"] == "nvfp4" and manifest["base_model"]["hub_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert manifest["quantization"] == "nvfp4"
+    assert manifest["base_model"]["hub_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert manifest["base_model"]["weights_sha256"]
     config = json.loads((result.adapter_dir / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and config["r"] == 16

@@ -1,8 +1,8 @@
-"""The demo job: SmolLM2-135M learns two-term one-digit products in ~30 steps on CPU.
+"""The demo job: SmolLM2-135M learns two-term one-digit products in 20 steps on CPU.
 
 Chosen because the base model's mean sampled reward sits clearly between 0 and 1 with the
 one-shot worked example (so GRPO groups have reward variance from step 0) and a plain GRPO run
-climbs towards 1 within 30 steps. One-digit products have only 100 distinct questions, so the
+climbs towards 1 within 20-30 steps. One-digit products have only 100 distinct questions, so the
 eval split holds out 20 of them and training never sees those. Reward = 0.2 for the tag format
 + 1.0 for reasoning-gym's own score of the tagged answer.
 """
@@ -34,7 +34,7 @@ DEMO_SPEC: dict[str, Any] = {
     "rollout": {"num_generations": 4, "max_new_tokens": 64, "temperature": 1.0, "top_p": 1.0, "top_k": 0},
     "rl": {"algorithm": "dapo"},
     "optim": {"lr": 1e-4},
-    "steps": 30,
+    "steps": 20,
     "prompts_per_step": 8,
     "micro_batch_size": 16,
     "checkpoint_interval": 10,
