@@ -93,7 +93,12 @@ def test_download_verifies_and_peft_loads_the_adapter(cli_job: CliJob, qerl_serv
     for name, tensor in saved.items():
         torch.testing.assert_close(loaded[name].float(), tensor.float(), rtol=0, atol=0, msg=name)
     ids = torch.tensor([[1, 2, 3, 4]])
-    assert model(ids).logits.shape == (1, 4, base.config.vocab_size)
+    with torch.no_grad():
+        tuned = model(ids).logits
+        with model.disable_adapter():
+            plain = model(ids).logits
+    assert tuned.shape == (1, 4, base.config.vocab_size)
+    assert (tuned - plain).abs().max() > 1e-6, "the trained adapter does not change the base model's logits"
 
 
 def test_errors_print_the_server_message(cli_job: CliJob, qerl_server: Served) -> None:
