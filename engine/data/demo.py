@@ -31,12 +31,15 @@ DEMO_SPEC: dict[str, Any] = {
         "one_shot": True,
     },
     "lora": {"r": 16, "alpha": 32},
-    "rollout": {"num_generations": 4, "max_new_tokens": 64, "temperature": 1.0, "top_p": 1.0, "top_k": 0},
+    # T=0.7: at T=1.0 the 4-bit 135M model samples far worse than its greedy answers (mean reward 0.15 vs
+    # 0.68 for bf16 on the same prompts), too little signal for 20 steps.
+    "rollout": {"num_generations": 4, "max_new_tokens": 64, "temperature": 0.7, "top_p": 1.0, "top_k": 0},
     "rl": {"algorithm": "dapo"},
     "optim": {"lr": 1e-4},
     "steps": 20,
     "prompts_per_step": 8,
     "micro_batch_size": 16,
     "checkpoint_interval": 10,
+    "gradient_checkpointing": False,  # 135M fits; recomputation would only slow the CPU steps
     "seed": 0,
 }
