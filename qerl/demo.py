@@ -78,6 +78,7 @@ def run_demo(data_dir: Path, steps: int | None) -> int:
     try:
         _wait_ready(url, proc)
         client = Client(base_url=url)
+        _cancel_leftovers(client)
         qerl_ext = dict(DEMO_SPEC)
         if steps:
             qerl_ext["steps"] = steps
@@ -108,6 +109,14 @@ def run_demo(data_dir: Path, steps: int | None) -> int:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def _cancel_leftovers(client: Client) -> None:
+    """A demo interrupted earlier left its job in this data directory; it would run first."""
+    for job in client.get("/v1/fine_tuning/jobs", limit=100)["data"]:
+        if job.get("user_provided_suffix") == "demo" and job["status"] in ("queued", "running"):
+            client.cancel(job["id"])
+            console.print(f"Cancelled {job['id']}, left unfinished by an earlier demo")
 
 
 def _follow(client: Client, job: dict) -> dict:

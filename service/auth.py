@@ -78,14 +78,25 @@ CurrentKey = Annotated[ApiKey, Depends(current_key)]
 def ensure_default_key(make_session: sessionmaker[Session], base_url: str, config_path: Path) -> str | None:
     """First start of an embedded server: create a key, print it, save it for the CLI.
 
-    Returns the new secret, or None when keys already exist."""
+    Returns the new secret, or None when keys already exist (then the saved config only
+    learns this start's URL: the port may have changed)."""
     with make_session() as session:
         if session.scalar(select(func.count()).select_from(ApiKey)):
+            _refresh_client_url(Path(config_path).expanduser(), base_url)
             return None
         secret = create_key(session, "default", "created on first start")
     write_client_config(config_path, base_url=base_url, api_key=secret)
     print(f"qerl: created API key {secret}\nqerl: saved it with base_url {base_url} to {config_path}", flush=True)
     return secret
+
+
+def _refresh_client_url(path: Path, base_url: str) -> None:
+    try:
+        saved = json.loads(path.read_text() or "{}")
+    except (OSError, json.JSONDecodeError):
+        return
+    if saved.get("api_key") and saved.get("base_url") != base_url:
+        write_client_config(path, base_url=base_url, api_key=saved["api_key"])
 
 
 def write_client_config(path: Path, *, base_url: str, api_key: str) -> None:

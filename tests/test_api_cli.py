@@ -94,5 +94,5 @@ def test_serve_first_start_creates_and_saves_a_key(embedded_env):
     out = run_serve(env, port, check)
     secret = json.loads(config_path.read_text())["api_key"]
     assert f"created API key {secret}" in out  # printed once, on the first start
-    out = run_serve(env, port, check)  # the second start keeps the key and prints none
-    assert "created API key" not in out and json.loads(config_path.read_text())["api_key"] == secret
+    out = run_serve(env, free_port(), check)  # the second start (another port) keeps the key, prints none,
+    assert "created API key" not in out and json.loads(config_path.read_text())["api_key"] == secret  # new URL
