@@ -54,12 +54,14 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 180.0) -> Non
 
 
 def _eval_table(metrics: list[dict]) -> Table:
-    evals = [m for m in metrics if any(k.startswith("eval/") for k in m["values"])]
+    """Greedy held-out evaluation: before training (step 0) and after."""
+    evals = [m for m in metrics if "eval/reward_mean" in m["values"]]
+    parts = sorted({k for m in evals for k in m["values"] if k.startswith("eval/reward/")})
+    keys = ["eval/accuracy", "eval/reward_mean", *parts]
     table = Table(title="Held-out evaluation (greedy, adapter attached)")
     table.add_column("step", justify="right")
-    keys = sorted({k for m in evals for k in m["values"] if k.startswith("eval/")})
     for k in keys:
-        table.add_column(k, justify="right")
+        table.add_column(k.removeprefix("eval/").replace("reward/", "reward: "), justify="right")
     for m in evals:
         table.add_row(str(m["step"]), *[f"{m['values'].get(k, float('nan')):.3f}" for k in keys])
     return table
