@@ -3,16 +3,20 @@
 One step only (the full demo is benchmarks/demo_curve.py), a smaller eval split, a checkpoint
 at step 1: this checks that the real model, tokenizer, chat template, reasoning-gym data and
 grader fit together, and that the adapter it writes is a PEFT adapter of the Hub model.
-~25 s on two idle CPU cores.
+25-50 s on two idle CPU cores, minutes when the machine is shared: marked slow.
 """
 from __future__ import annotations
 
 import copy
 import json
 
+import pytest
+
 from engine import NullReporter, TrainSpec, train
 from engine.data.demo import DEMO_SPEC
 from engine.manifest import verify_adapter
+
+pytestmark = pytest.mark.slow
 
 
 def test_demo_spec_runs_one_step(tmp_path):
