@@ -1,15 +1,21 @@
-"""Rollout tokens/s on one GPU: NVFP4 vs bf16 base (+ NF4), same graph engine, random weights
-in Qwen2.5 shapes (engine.model.shapes).
+"""Rollout tokens/s on one GPU: NVFP4 vs bf16 base vs QLoRA (NF4, bitsandbytes kernels), same
+graph engine, random weights in Qwen2.5 shapes (engine.model.shapes), and Hugging Face
+transformers' own ``generate`` (static cache) as an outside reference (method ``hf``, no LoRA).
 
 For each size and method the model is built once on the GPU; then for each LoRA rank (0 = no
 adapter) and batch, B random prompts of ``--prompt`` tokens generate ``--gen`` tokens each
 (temperature 1, no eos, so every row runs to the end) through engine.rollout.cuda_graph, after
 a warm-up that captures the graphs. Reported: total tokens/s (prefill included), decode
-tokens/s, peak memory, and for NVFP4 / bf16 their ratio. ``--bandwidth`` also measures the
+tokens/s, peak memory, and NVFP4's ratio over bf16 and over NF4. ``--bandwidth`` also measures the
 device-to-device copy bandwidth and the batch-1 bytes read per decode token (weights as the
 kernels read them, LoRA, lm_head, KV) to give the bandwidth limit.
 
-    python3 benchmarks/rollout.py --sizes 7b,32b --batches 1,8 --ranks 16 --gen 256 --bandwidth --json out.json
+    python3 benchmarks/rollout.py --sizes 7b,32b --methods nvfp4,bf16,nf4 --batches 1,8 --ranks 16 --gen 256 \
+        --bandwidth --json out.json
+    python3 benchmarks/rollout.py --sizes 7b --methods hf --batches 1,8 --ranks 0 --gen 256
+
+``--profile`` prints, for batch 1, the GPU time per kernel of a few replayed decode steps
+(torch.profiler), grouped by kind (GEMM, LoRA, attention, element-wise, sampling).
 """
 from __future__ import annotations
 
@@ -84,6 +90,95 @@ def bytes_per_token(eng: GraphRollout, b: int, s: int) -> dict[str, int]:
     return {"weights": w, "lora": lora, "lm_head": head.numel() * head.element_size(), "kv": kv}
 
 
+def kernel_kind(name: str) -> str:
+    """A CUDA kernel's role in a decode step, from its name."""
+    n = name.lower()
+    if "nvfp4" in n or "gemm_small" in n or "gemm_wg" in n or "dequant_kernel" in n:
+        return "GEMM nvfp4"
+    if "4bit" in n:
+        return "GEMM nf4"
+    if any(p in n for p in ("attention", "fmha", "flash")):
+        return "attention"
+    if any(p in n for p in ("gemm", "gemv", "xmma", "cutlass", "nvjet", "dot_kernel", "splitk")):
+        bf16 = any(p in n for p in ("bf16", "bfloat16", "hmma", "_h16", "s16816", "_h_", "_tnt", "_tnn"))
+        return "GEMM bf16" if bf16 else "GEMM fp32 (LoRA)"
+    if any(p in n for p in ("softmax", "multinomial", "exponential", "sort", "argmax", "cumsum", "distribution")):
+        return "sampling"
+    if "qerl" in n:
+        return "fused element-wise"
+    return "other"
+
+
+def profile_steps(eng: GraphRollout, tok, prompts, args, steps: int = 16) -> dict:
+    """GPU time per decode step by kernel kind (graph replays included): a rollout of
+    ``steps`` + 1 tokens minus one of 1 token (the prefill), over ``steps``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernels(n: int) -> dict[str, tuple[float, int]]:
+        params = SamplingParams(max_new_tokens=n, temperature=1.0, eos_token_ids=[-1])
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            eng.generate(tok, prompts, params, generator=torch.Generator("cuda").manual_seed(9))
+            torch.cuda.synchronize()
+        out = {}
+        for ev in prof.key_averages():
+            us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+            if us > 0 and not ev.key.startswith(("cudaGraph", "Memcpy", "Memset")):
+                out[ev.key] = (us, ev.count)
+        return out
+
+    prefill, total = kernels(1), kernels(steps + 1)
+    per = {k: ((us - prefill.get(k, (0.0, 0))[0]) / steps, (n - prefill.get(k, (0.0, 0))[1]) / steps)
+           for k, (us, n) in total.items()}
+    kinds: dict[str, float] = {}
+    for k, (us, _) in per.items():
+        kinds[kernel_kind(k)] = kinds.get(kernel_kind(k), 0.0) + us / 1e3
+    by_kind = {k: v for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])}  # ms per decode step
+    top = [{"us_per_step": us, "calls_per_step": n, "kernel": k[:90], "kind": kernel_kind(k)}
+           for k, (us, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[:16]]
+    print(f"profile B={len(prompts)} ms/decode step by kind:", {k: round(v, 3) for k, v in by_kind.items()},
+          f"sum {sum(by_kind.values()):.3f}", flush=True)
+    for t in top:
+        print(f"   {t['us_per_step']:8.1f} us {t['calls_per_step']:6.1f} calls  {t['kind']:<18} {t['kernel']}", flush=True)
+    return {"ms_per_step_by_kind": by_kind, "top": top}
+
+
+def run_hf(size: str, b: int, args, log) -> dict:
+    """Hugging Face transformers' generate with a static cache (bf16, no LoRA), same prompts."""
+    import transformers
+
+    cfg = shape_config(size, **({"num_layers": args.layers} if args.layers else {}))
+    hf_cfg = transformers.Qwen2Config(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                                      intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                                      num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                                      rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+                                      max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=False)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = transformers.Qwen2ForCausalLM(hf_cfg).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    g = torch.Generator().manual_seed(b)
+    ids = torch.randint(1, cfg.vocab_size, (b, args.prompt), generator=g).cuda()
+    kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, cache_implementation="static",
+              pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=args.gen, min_new_tokens=args.gen, **kw)  # warm-up (compiles)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=args.gen, min_new_tokens=args.gen, **kw)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    tokens = (out.shape[1] - args.prompt) * b
+    row = {"size": size, "method": "hf", "rank": 0, "batch": b, "prompt": args.prompt, "gen": args.gen,
+           "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "decode_tok_s": 0.0, "ms_per_step": 0.0,
+           "peak_gb": torch.cuda.max_memory_allocated() / 2**30, "transformers": transformers.__version__}
+    del model
+    log(row)
+    return row
+
+
 def run_config(model, method: str, size: str, r: int, b: int, args, log) -> dict:
     cuda = args.device == "cuda"
     g = torch.Generator().manual_seed(b)
@@ -118,6 +213,8 @@ def run_config(model, method: str, size: str, r: int, b: int, args, log) -> dict
     best["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     if args.bandwidth and b == 1:
         best["bytes"] = bytes_per_token(eng, b, max_len)
+    if args.profile and cuda and b in (1, 8):
+        best["profile"] = profile_steps(eng, tok, prompts, args)
     del eng
     log(best)
     return best
@@ -136,6 +233,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--layers", type=int, default=0, help="override the layer count (quick runs)")
     ap.add_argument("--bandwidth", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="GPU time by kernel kind at batch 1 and 8")
     ap.add_argument("--deadline", type=float, default=0, help="seconds; skip configs once past it")
     ap.add_argument("--json", default="")
     ap.add_argument("--device", default="cuda", help="cpu: a functional dry run (no timings worth reading)")
@@ -166,6 +264,19 @@ def main() -> None:
         for method in args.methods.split(","):
             if late():
                 results["skipped"].append(f"{size} {method}: out of time")
+                continue
+            if method == "hf":
+                for b in ints(args.batches):
+                    if late():
+                        results["skipped"].append(f"{size} hf b={b}: out of time")
+                        continue
+                    try:
+                        run_hf(size, b, args, log)
+                    except Exception as exc:  # an outside baseline: report and go on
+                        results["skipped"].append(f"{size} hf b={b}: {type(exc).__name__}: {exc}"[:500])
+                        print("FAILED", results["skipped"][-1], flush=True)
+                    gc.collect()
+                    torch.cuda.empty_cache()
                 continue
             t0 = time.perf_counter()
             over = {"num_layers": args.layers} if args.layers else {}
@@ -204,17 +315,21 @@ def main() -> None:
     summarize(results)
 
 
+def _ratio(rows: list[dict], x: dict, method: str, key: str) -> str:
+    ref = [y for y in rows if y["method"] == method and all(y[k] == x[k] for k in ("size", "rank", "batch"))]
+    return f"{x[key] / ref[0][key]:.2f}x" if ref and ref[0][key] else "-"
+
+
 def summarize(results: dict) -> None:
     rows = results["rows"]
-    print("\nsize method  r   B  tok/s(total)  tok/s(decode)  ms/step  peak GiB  nvfp4/bf16(total, decode)")
+    print("\nsize method  r   B  tok/s(total)  tok/s(decode)  ms/step  peak GiB  nvfp4/bf16 total (decode)  nvfp4/nf4 total")
     for x in rows:
-        ratio = ""
+        ratios = ""
         if x["method"] == "nvfp4":
-            ref = [y for y in rows if y["method"] == "bf16" and all(y[k] == x[k] for k in ("size", "rank", "batch"))]
-            if ref:
-                ratio = f"{x['tok_s'] / ref[0]['tok_s']:.2f}x, {x['decode_tok_s'] / ref[0]['decode_tok_s']:.2f}x"
+            ratios = (f"{_ratio(rows, x, 'bf16', 'tok_s')} ({_ratio(rows, x, 'bf16', 'decode_tok_s')})  "
+                      f"{_ratio(rows, x, 'nf4', 'tok_s')}")
         print(f"{x['size']:>4} {x['method']:>6} {x['rank']:>2} {x['batch']:>3} {x['tok_s']:>12.1f} "
-              f"{x['decode_tok_s']:>14.1f} {x['ms_per_step']:>8.2f} {x['peak_gb']:>9.1f}  {ratio}")
+              f"{x['decode_tok_s']:>14.1f} {x['ms_per_step']:>8.2f} {x['peak_gb']:>9.1f}  {ratios}")
         if "bytes" in x and "copy_bw" in results:
             total = sum(x["bytes"].values())
             limit = results["copy_bw"] / total

@@ -141,5 +141,41 @@ class NF4Linear(FrozenLinear):
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         return dequantize_nf4(self.weight_packed, self.weight_absmax, (self.out_features, self.in_features), dtype)
 
+    # -- bitsandbytes' CUDA kernels, as QLoRA runs (gemv_4bit at one row, dequantize + matmul above)
+    def _bnb_state(self, x: torch.Tensor):  # noqa: ANN202 - (bitsandbytes module, QuantState) or None
+        if not (use_bitsandbytes and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
+            return None
+        key = (x.dtype, self.weight_packed.data_ptr(), self.weight_absmax.data_ptr())
+        cached = getattr(self, "_bnb_cached", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        try:
+            import bitsandbytes as bnb
+            import bitsandbytes.functional as F  # noqa: N812
+
+            state = F.QuantState(absmax=self.weight_absmax, shape=torch.Size((self.out_features, self.in_features)),
+                                 code=F.get_4bit_type("nf4", device=x.device), blocksize=BLOCKSIZE, quant_type="nf4",
+                                 dtype=x.dtype)
+        except Exception:  # not installed, or no native library for this GPU
+            state = None
+        found = None if state is None else (bnb, state)
+        self._bnb_cached = (key, found)
+        return found
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        found = self._bnb_state(x)
+        if found is None:
+            return super()._matmul(x)
+        bnb, state = found
+        return bnb.matmul_4bit(x, self.weight_packed.view(-1, 1).t(), quant_state=state)
+
+    def _matmul_t(self, dy: torch.Tensor) -> torch.Tensor:
+        found = self._bnb_state(dy)
+        if found is None:
+            return super()._matmul_t(dy)
+        bnb, state = found
+        w = bnb.functional.dequantize_4bit(self.weight_packed.view(-1, 1), state, quant_type="nf4")
+        return torch.matmul(dy, w.to(dy.dtype))
+
     def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
         return keep_buffer_dtypes(self, self._locked, fn, recurse)

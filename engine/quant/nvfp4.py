@@ -229,19 +229,73 @@ class NVFP4Linear(FrozenLinear):
         return cls(*quantize_nvfp4(weight, global_scale), bias=bias)
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        return dequantize_nvfp4(self.weight_packed, self.weight_scale, self.weight_global_scale, dtype)
+        packed, scale = self.source_buffers()
+        return dequantize_nvfp4(packed, scale, self.weight_global_scale, dtype)
+
+    # -- one copy of the base: the kernel operand ------------------------------------------
+    # ``resident`` is the layer's engine.kernels.PreparedNVFP4 once the compressed-tensors
+    # buffers were dropped (make_resident): rollouts and training then read that one copy, and
+    # state_dict / dequantize rebuild the buffers from it (engine.quant.nvfp4_resident).
+    resident = None
+
+    def make_resident(self, prepared=None) -> None:  # noqa: ANN001 - engine.kernels.PreparedNVFP4
+        """Keep only the kernel operand (``prepared``, or this layer's own repack)."""
+        if prepared is None:
+            from engine.kernels import prepare
+
+            prepared = self.resident if self.resident is not None else prepare(self)
+        if (prepared.n, prepared.k) != (self.out_features, self.in_features):
+            raise ValueError(f"operand is {prepared.n} x {prepared.k}, the layer {self.out_features} x {self.in_features}")
+        self.resident = prepared
+        self._buffers["weight_packed"] = None
+        self._buffers["weight_scale"] = None
+        self.__dict__.pop("_nvfp4_prepared", None)
+
+    def source_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight_packed, weight_scale) as compressed-tensors stores them."""
+        if self.resident is None:
+            return self.weight_packed, self.weight_scale
+        from engine.quant.nvfp4_resident import unrepack
+
+        return unrepack(self.resident.wq, self.out_features, self.in_features)
+
+    def restore_source(self) -> None:
+        """Undo make_resident: the compressed-tensors buffers again (the operand is released)."""
+        if self.resident is None:
+            return
+        packed, scale = self.source_buffers()
+        self._buffers["weight_packed"], self._buffers["weight_scale"] = packed, scale
+        self.resident = None
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.resident is not None:
+            packed, scale = self.source_buffers()
+            destination[prefix + "weight_packed"] = packed
+            destination[prefix + "weight_scale"] = scale
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.restore_source()
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         kernels = _kernels(x)
         if kernels is not None:
-            return kernels.nvfp4_matmul(x, self)
+            return kernels.nvfp4_matmul(x, self._operand(kernels))
         return super()._matmul(x)
 
     def _matmul_t(self, dy: torch.Tensor) -> torch.Tensor:  # (..., out) -> (..., in)
         kernels = _kernels(dy)
         if kernels is not None and hasattr(kernels, "nvfp4_matmul_t"):
-            return kernels.nvfp4_matmul_t(dy, self)
+            return kernels.nvfp4_matmul_t(dy, self._operand(kernels))
         return super()._matmul_t(dy)
 
+    def _operand(self, kernels: ModuleType):  # noqa: ANN202 - PreparedNVFP4 or the layer
+        """What the kernels read: on first use the layer is repacked and made resident."""
+        if self.resident is None and hasattr(kernels, "prepare"):
+            self.make_resident(kernels.prepare(self))
+        return self.resident if self.resident is not None else self
+
     def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
+        self.restore_source()  # moving or casting the layer: from its compressed-tensors buffers
         return keep_buffer_dtypes(self, self._locked, fn, recurse)

@@ -13,7 +13,8 @@ changes is how a decode token is computed:
   (bucket, attention length rounded up to ``len_bucket``). Sampling stays eager (same
   generator use as the eager sampler).
 - q/k/v and gate/up run as one GEMM each: NVFP4 weights repacked once into one fused kernel
-  operand, whose row ranges are the members' own operands (no second copy); bf16 weights become
+  operand, whose row ranges become the members' only copy (NVFP4Linear.make_resident: the
+  compressed-tensors buffers are dropped, training reads the same operand); bf16 weights become
   views into one concatenated tensor. The LoRA stays unmerged: its shrink is one matmul per
   group on the concatenated A's, its expand one matmul on a block-diagonal B (scaling folded
   in), refreshed from the live parameters at the start of every call, like the RMSNorm weights
@@ -90,28 +91,39 @@ class _Group:
         return all(torch.equal(g[0], x) for x in g[1:])
 
     def _fuse_nvfp4(self) -> None:
+        """One kernel operand for the group; it becomes the members' only copy of their weights.
+
+        The members' operands are row ranges of the fused one when every member has a multiple
+        of 64 rows (no padding rows between them): each member is then made resident on its
+        range and its compressed-tensors buffers are dropped, so rollouts and training read one
+        copy of the base. Otherwise the fused operand is a second copy, used by rollouts only."""
         from engine.kernels import PreparedNVFP4, prepare_tensors
 
         bs = self.bases
         if len(bs) == 1:
-            from engine.kernels import prepare
-
-            self.prepared, self.mode = prepare(bs[0]), "nvfp4"
+            bs[0].make_resident()
+            self.prepared, self.mode = bs[0].resident, "nvfp4"
             return
-        packed = torch.cat([b.weight_packed for b in bs])
-        scale = torch.cat([b.weight_scale.view(torch.uint8) for b in bs]).view(torch.float8_e4m3fn)
-        fused = prepare_tensors(packed, scale, bs[0].weight_global_scale)
-        del packed, scale
+        views = all(s % 64 == 0 for s in self.sizes)
+        if views and all(b.resident is not None for b in bs):  # rebuilt engine: members already resident
+            first = bs[0].resident
+            fused = PreparedNVFP4(torch.cat([b.resident.wq for b in bs]), first.alpha,
+                                  torch.zeros(-(-(self.n // 16) // 8), dtype=torch.int32, device=first.wq.device),
+                                  self.n, self.k, first.alpha_value)
+        else:
+            sources = [b.source_buffers() for b in bs]
+            packed = torch.cat([p for p, _ in sources])
+            scale = torch.cat([s.view(torch.uint8) for _, s in sources]).view(torch.float8_e4m3fn)
+            del sources
+            fused = prepare_tensors(packed, scale, bs[0].weight_global_scale)
+            del packed, scale
         self.prepared, self.mode = fused, "nvfp4"
-        if all(s % 64 == 0 for s in self.sizes):  # each member's operand is a row range of the fused one
+        if views:
             row = 0
             for b, s in zip(bs, self.sizes):
-                bufs = (b.weight_packed, b.weight_scale, b.weight_global_scale)
-                key = tuple((t.device, t.data_ptr(), t._version) for t in bufs)
-                counters = torch.zeros(-(-(s // 16) // 8), dtype=torch.int32, device=packed_device(b))
-                view = PreparedNVFP4(fused.wq[row // 16:(row + s) // 16], fused.alpha, counters, s, self.k,
-                                     fused.alpha_value)
-                b._nvfp4_prepared = (key, view)
+                counters = torch.zeros(-(-(s // 16) // 8), dtype=torch.int32, device=fused.wq.device)
+                b.make_resident(PreparedNVFP4(fused.wq[row // 16:(row + s) // 16], fused.alpha, counters, s, self.k,
+                                              fused.alpha_value))
                 row += s
 
     def _fuse_dense_views(self) -> None:
@@ -155,10 +167,6 @@ class _Group:
         if not self.lora:
             return None
         return torch.mm(torch.mm(x32, self.a_cat.t()), self.b_blk.t())
-
-
-def packed_device(layer: nn.Module) -> torch.device:
-    return layer.weight_packed.device
 
 
 @dataclass

@@ -1,0 +1,113 @@
+"""The whole GPU path (NVFP4 kernels, one resident copy of the base, the graph rollout engine,
+checkpointed backward) against the CPU fp32 reference on a small model: logits, the RL loss and
+its LoRA gradients within bf16 tolerance. Skipped without a CUDA GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.lora import adapter_params, apply_lora
+from engine.model.shapes import NumberTokenizer, build_random_model, shape_config
+from engine.quant.nvfp4 import NVFP4Linear
+from engine.rl.loss import loss_denominator, policy_loss
+from engine.rollout import SamplingParams
+from engine.rollout.cuda_graph import GraphRollout
+from engine.spec import LoraSpec, RLSpec
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+SMALL = dict(hidden_size=256, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=768,
+             vocab_size=1024)
+
+
+def _model(device: str, dtype: torch.dtype):
+    """Same codes, scales and adapter on any device: everything drawn on the CPU, then moved
+    (the adapter stays fp32)."""
+    m = build_random_model(shape_config("7b", **SMALL), quantization="nvfp4", device="cpu", dtype=torch.bfloat16,
+                           seed=7, std=0.1).to(device=device, dtype=dtype)
+    apply_lora(m, LoraSpec(r=8), seed=7)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in adapter_params(m):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return m
+
+
+def _loss_and_grads(m, ids, mask, adv, spec):
+    logp, _ = m.token_logprobs(ids, mask, chunk_size=9, from_position=5)
+    lm = mask[:, 1:].float()
+    lm[:, :5] = 0
+    loss, _ = policy_loss(logp, logp.detach(), adv, lm, spec, denominator=loss_denominator(lm, spec))
+    loss.backward()
+    grads = torch.cat([p.grad.float().flatten().cpu() for p in adapter_params(m)])
+    m.zero_grad(set_to_none=True)
+    return logp.detach().float().cpu(), loss.detach().float().cpu(), grads
+
+
+def test_gpu_path_matches_cpu_reference_after_the_rollout_engine_is_built():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 1024, (4, 40), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0  # left padding
+    adv = torch.tensor([1.0, -0.5, 0.25, -0.75])
+    spec = RLSpec()
+
+    cpu = _model("cpu", torch.float32)  # the same codes and scales, fp32 arithmetic
+    gpu = _model("cuda", torch.bfloat16)
+    gpu.gradient_checkpointing = True
+
+    eng = GraphRollout(gpu, max_batch=4, max_len=256)  # fuses q/k/v and gate/up, makes the base resident
+    layers = [m for m in gpu.modules() if isinstance(m, NVFP4Linear)]
+    assert layers and all(m.resident is not None and m.weight_packed is None for m in layers)
+    storages = {m.resident.wq.untyped_storage().data_ptr() for m in layers}
+    assert len(storages) == 4 * SMALL["num_layers"]  # one operand per fused group, members are views of it
+    outs = eng.generate(NumberTokenizer(), [[5, 6, 7], [9] * 11], SamplingParams(max_new_tokens=16),
+                        generator=torch.Generator("cuda").manual_seed(0))
+    assert all(len(c.token_ids) == 16 for c in outs)
+
+    ref_logp, ref_loss, ref_grads = _loss_and_grads(cpu, ids, mask, adv, spec)
+    logp, loss, grads = _loss_and_grads(gpu, ids.cuda(), mask.cuda(), adv.cuda(), spec)
+    real = mask[:, 6:].bool()
+    err = (logp[:, 5:] - ref_logp[:, 5:])[real].abs()
+    assert err.mean() < 0.02 and err.max() < 0.15, (err.mean(), err.max())
+    assert abs(loss.item() - ref_loss.item()) <= 0.02 * abs(ref_loss.item()) + 1e-3, (loss, ref_loss)
+    cos = torch.nn.functional.cosine_similarity(grads, ref_grads, dim=0)
+    assert cos > 0.99 and (grads.norm() / ref_grads.norm() - 1).abs() < 0.05, (cos, grads.norm(), ref_grads.norm())
+
+
+def test_one_copy_of_the_base_on_the_gpu():
+    """Building the rollout engine must not add a second copy of the NVFP4 weights."""
+    cfg = shape_config("7b", num_layers=2, vocab_size=4096)
+    m = build_random_model(cfg, quantization="nvfp4", device="cuda", seed=1)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    eng = GraphRollout(m, max_batch=1, max_len=256, use_graphs=False)
+    torch.cuda.synchronize()
+    kv = eng.kc.numel() * eng.kc.element_size() * 2
+    grown = torch.cuda.memory_allocated() - before - kv
+    weights = sum(x.resident.wq.numel() * 4 for x in m.modules() if isinstance(x, NVFP4Linear))
+    # the operands replace the compressed-tensors buffers: growth is far below one more copy
+    assert grown < 0.1 * weights, (grown / 2**20, weights / 2**20)
+
+
+def test_qlora_baseline_runs_bitsandbytes_kernels():
+    """The QLoRA baseline's NF4 layer multiplies with bitsandbytes' CUDA kernels (gemv_4bit at one
+    row, dequantize + matmul above) and equals the float64 product of its own dequantized weight."""
+    pytest.importorskip("bitsandbytes")
+    from engine.quant.nf4 import NF4Linear
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(3584, 2048, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
+    layer = NF4Linear.from_float(w)
+    ref_w = layer.dequantize(torch.float64)
+    for m in (1, 8, 33):
+        x = torch.randn(m, 2048, device="cuda", generator=g, dtype=torch.bfloat16, requires_grad=True)
+        y = layer(x)
+        assert layer._bnb_state(x) is not None  # bitsandbytes, not the torch fallback
+        ref = x.detach().double() @ ref_w.t()
+        err = (y.double() - ref).norm() / ref.norm()
+        assert err < 5e-3, (m, err)
+        dy = torch.randn_like(y)
+        y.backward(dy)
+        ref_dx = dy.double() @ ref_w
+        assert (x.grad.double() - ref_dx).norm() / ref_dx.norm() < 5e-3
