@@ -7,7 +7,8 @@ byte ceiling. Each timing is a CUDA graph of calls that rotate through >300 MB o
 (so L2 holds none of them), replayed many times, median of the replays per call.
 
     python benchmarks/gemm_nvfp4.py                  # the table
-    python benchmarks/gemm_nvfp4.py --sweep          # fused-kernel configurations and crossovers
+    python benchmarks/gemm_nvfp4.py --sweep          # small-kernel configurations and crossovers
+    python benchmarks/gemm_nvfp4.py --sweep-wg       # wgmma-kernel configurations and crossovers
 """
 from __future__ import annotations
 
@@ -94,6 +95,15 @@ class Layer:
         return time_calls([lambda p=p: gemm.gemm_small_into(x, p, outs, tnw=tnw, splits=splits, prefetch=prefetch)
                            for p in self.fp4])
 
+    def time_wg(self, x: torch.Tensor, bn: int | None = None, wg: int | None = None, splits: int | None = None,
+                prefetch: int | None = None) -> float:
+        m = x.shape[0]
+        outs = torch.empty(m, self.n, dtype=torch.bfloat16, device="cuda")
+        cfg = gemm.wg_config(m, self.fp4[0], x.device, bn, wg, splits)
+        ws = torch.empty(cfg[2] * m * self.fp4[0].ntiles * 16, device="cuda") if cfg[2] > 1 else None
+        return time_calls([lambda p=p: gemm.gemm_wg_into(x, p, outs, bn=bn, wg=wg, splits=splits, workspace=ws,
+                                                         prefetch=prefetch) for p in self.fp4])
+
     def time_large(self, x: torch.Tensor) -> float:
         return time_calls([lambda p=p: gemm._scaled_mm(x, gemm._weights(p, x).t(), p.alpha_value)
                            for p in self.fp4])
@@ -104,8 +114,12 @@ class Layer:
 
 
 def path(m: int, layer: Layer) -> str:
-    if not gemm.use_fused(m, layer.n, layer.k):
+    route = gemm.kernel_path(m, layer.n, layer.k)
+    if route == "cublas":
         return "dequant+cuBLAS"
+    if route == "wg":
+        bn, wg, splits, _ = gemm.wg_config(m, layer.fp4[0], torch.device("cuda"))
+        return f"wgmma n{bn} g{wg} s{splits}"
     mt, tnw, splits, _ = gemm.small_config(m, layer.fp4[0], torch.device("cuda"))
     return f"fused mt{mt} w{tnw} s{splits}"
 
@@ -175,6 +189,44 @@ def sweep(models, ms, out_json):
         Path(out_json).write_text(json.dumps(rows, indent=1))
 
 
+def sweep_wg(models, ms, out_json):
+    """Per shape and M: bf16, dequantize + cuBLAS, the small kernel (automatic shape, M <= 128), and
+    the wgmma kernel with 1 or 2 warpgroups per block and half/auto/double K splits."""
+    rows = []
+    for model, name, n, k in shapes(models):
+        layer = Layer(n, k)
+        p = layer.fp4[0]
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            tb, tl = layer.time_bf16(x), layer.time_large(x)
+            ts = layer.time_small(x, *gemm.small_config(m, p, x.device)[1:3]) if m <= gemm.SMALL_M_MAX else float("nan")
+            bn0 = gemm.wg_config(m, p, x.device)[0]
+            res = {}
+            for wg in (1, 2):
+                if (bn0, wg) not in gemm._WG_VARIANTS:
+                    continue
+                auto = gemm.wg_config(m, p, x.device, bn0, wg)[2]
+                for splits in sorted({max(1, auto // 2), auto, 2 * auto}):
+                    eff = gemm.wg_config(m, p, x.device, bn0, wg, splits)[2]
+                    if (wg, eff) not in res:
+                        res[(wg, eff)] = layer.time_wg(x, bn0, wg, eff)
+            best = min(res.items(), key=lambda kv: kv[1])
+            auto_cfg = gemm.wg_config(m, p, x.device)
+            t_auto = res.get((auto_cfg[1], auto_cfg[2]), float("nan"))
+            t_pf0 = layer.time_wg(x, prefetch=0)
+            cells = " ".join(f"g{a}s{b}:{v:.1f}" for (a, b), v in sorted(res.items()))
+            print(f"{model:>4} {name:>7} M={m:<4} bf16 {tb:7.1f} cuBLAS-path {tl:7.1f} small {ts:7.1f} | wg n{bn0} "
+                  f"auto g{auto_cfg[1]}s{auto_cfg[2]} {t_auto:6.1f} pf0 {t_pf0:6.1f} best g{best[0][0]}s{best[0][1]} "
+                  f"{best[1]:6.1f} x{tb / best[1]:4.2f} (small x{tb / ts:4.2f}) | {cells}", flush=True)
+            rows.append(dict(model=model, layer=name, n=n, k=k, m=m, bf16_us=tb, large_us=tl, small_us=ts,
+                             wg_auto=[auto_cfg[1], auto_cfg[2], t_auto], wg_pf0=t_pf0,
+                             wg={f"g{a}s{b}": v for (a, b), v in res.items()}))
+        del layer
+        torch.cuda.empty_cache()
+    if out_json:
+        Path(out_json).write_text(json.dumps(rows, indent=1))
+
+
 def profile(spec: str) -> None:
     """A few plain launches of one configuration (n,k,m[,tnw,splits]) for a profiler to catch."""
     n, k, m, *cfg = (int(v) for v in spec.split(","))
@@ -205,6 +257,7 @@ def main() -> None:
     ap.add_argument("--models", default="7b,14b,32b")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep-wg", action="store_true")
     ap.add_argument("--json", default="")
     ap.add_argument("--profile", default="", help="n,k,m[,tnw,splits]: launch one configuration a few times")
     args = ap.parse_args()
@@ -217,6 +270,8 @@ def main() -> None:
         profile(args.profile)
     elif args.sweep:
         sweep(models, ms, args.json)
+    elif args.sweep_wg:
+        sweep_wg(models, ms, args.json)
     else:
         summary(table(models, ms, args.json))
 

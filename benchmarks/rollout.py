@@ -83,7 +83,7 @@ def bytes_per_token(eng: GraphRollout, b: int, s: int) -> dict[str, int]:
             else:
                 w += sum(p.numel() * p.element_size() for bb in g.bases for p in bb.buffers())
             if g.lora:
-                lora += (g.a_cat.numel() + g.b_blk.numel()) * 4
+                lora += (g.a_cat.numel() + g.b_pack.numel()) * 4
     cfg = eng.cfg
     head = eng.model.lm_head.weight
     kv = b * cfg.num_layers * 2 * cfg.num_kv_heads * s * cfg.head_dim * 2

@@ -74,13 +74,23 @@ def reference(x: torch.Tensor, wref: torch.Tensor, gscale: torch.Tensor) -> torc
         torch.backends.cuda.matmul.allow_tf32 = prev
 
 
-def run_forward(p, x: torch.Tensor) -> torch.Tensor:
-    """The op's forward with NaN-poisoned outputs and workspace (fused path) or weights."""
+def poisoned(m: int, p) -> tuple[torch.Tensor, torch.Tensor]:
+    """NaN-filled output [m, N] and split-K workspace (large enough for any split count)."""
+    out = torch.full((m, p.n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    ws = torch.full((p.kg * m * p.ntiles * 16,), float("nan"), device="cuda")
+    return out, ws
+
+
+def run_forward(p, x: torch.Tensor, route: str | None = None) -> torch.Tensor:
+    """One path's forward (the op's own by default) with NaN-poisoned outputs, workspace, weights."""
     m = x.shape[0]
-    if m <= gemm.SMALL_M_MAX:
-        out = torch.full((m, p.n), float("nan"), dtype=torch.bfloat16, device="cuda")
-        ws = torch.full((64 * m * p.ntiles * 16,), float("nan"), device="cuda")
+    route = route or gemm.kernel_path(m, p.n, p.k)
+    if route == "small":
+        out, ws = poisoned(m, p)
         return gemm.gemm_small_into(x, p, out, workspace=ws)
+    if route == "wg":
+        out, ws = poisoned(m, p)
+        return gemm.gemm_wg_into(x, p, out, workspace=ws)
     w = gemm.dequant_into(p, torch.full((p.n, p.k), float("nan"), dtype=torch.bfloat16, device="cuda"))
     return gemm._scaled_mm(x, w.t(), p.alpha_value)
 
@@ -109,8 +119,11 @@ def test_forward_sweep(model):
             if model != "odd" and n * k > 10**8 and m == 4096:
                 m = 2048  # keeps the fp32 reference of the largest layers quick
             x = torch.randn(m, k, device="cuda").bfloat16()
-            check(run_forward(p, x), reference(x, wref, gscale), f"{model} {n}x{k} M={m} kernel")
-            check(gemm.nvfp4_matmul(x, p), reference(x, wref, gscale), f"{model} {n}x{k} M={m} op")
+            ref = reference(x, wref, gscale)
+            check(run_forward(p, x), ref, f"{model} {n}x{k} M={m} kernel")
+            check(gemm.nvfp4_matmul(x, p), ref, f"{model} {n}x{k} M={m} op")
+            if gemm.kernel_path(m, n, k) != "wg" and m <= 1000:
+                check(run_forward(p, x, "wg"), ref, f"{model} {n}x{k} M={m} wgmma kernel")
 
 
 @pytest.mark.parametrize("tnw", [1, 2, 4])
@@ -130,9 +143,24 @@ def test_every_kernel_variant(tnw, splits):
         assert int(p.counters.abs().sum()) == 0, "split-K tickets must be reset"
 
 
-def test_split_k_is_deterministic():
+@pytest.mark.parametrize("n,k", [(1000, 1008), (136, 2000)])  # the second leaves a warpgroup idle
+@pytest.mark.parametrize("bn,wg", sorted(gemm._WG_VARIANTS))
+def test_every_wgmma_variant(n, k, bn, wg):
+    p, wref, gscale = make_layer(n, k, seed=11)
+    for m in sorted({max(1, bn - 13), bn, bn + 5}):
+        x = torch.randn(m, p.k, device="cuda").bfloat16()
+        ref = reference(x, wref, gscale)
+        for splits in (1, 3, 1000):
+            out, ws = poisoned(m, p)
+            gemm.gemm_wg_into(x, p, out, bn=bn, wg=wg, splits=splits, workspace=ws)
+            check(out, ref, f"{n}x{k} M={m} bn={bn} wg={wg} splits={splits}")
+            assert int(p.counters.abs().sum()) == 0, "split-K tickets must be reset"
+
+
+@pytest.mark.parametrize("m", [16, 64])
+def test_split_k_is_deterministic(m):
     p, _, _ = make_layer(5120, 13824, seed=8)
-    x = torch.randn(16, p.k, device="cuda").bfloat16()
+    x = torch.randn(m, p.k, device="cuda").bfloat16()
     first = gemm.nvfp4_matmul(x, p)
     for _ in range(5):
         assert torch.equal(gemm.nvfp4_matmul(x, p), first)
@@ -176,7 +204,7 @@ def test_autograd_through_frozen_linear():
 
 def test_cuda_graph_and_compile():
     p, wref, gscale = make_layer(7168, 5120, seed=10)
-    for m in (1, 16, 300):
+    for m in (1, 16, 64, 300, 1000):
         x = torch.randn(m, p.k, device="cuda").bfloat16()
         eager = gemm.nvfp4_matmul(x, p)
         graph = torch.cuda.CUDAGraph()

@@ -130,30 +130,50 @@ def test_gpu_fused_ops_equal_torch_ops():
     def rnd(*s, dtype=torch.bfloat16):
         return torch.randn(*s, device=dev, generator=g).to(dtype)
 
-    b, heads, kvh, d, h, inter, S = 5, 8, 2, 128, 1024, 3072, 64
-    y, bias, delta = rnd(b, (heads + 2 * kvh) * d), rnd((heads + 2 * kvh) * d), rnd(b, (heads + 2 * kvh) * d, dtype=torch.float32)
+    b, heads, kvh, d, h, inter, S, r = 5, 8, 2, 128, 1024, 3072, 64, 16
+    from engine.rollout.fused_ops import LoraTerm
+
+    def lora(sizes):  # a LoRA term of a fused projection with these member widths
+        n = sum(sizes)
+        edges = [sum(sizes[:i + 1]) for i in range(len(sizes))] + [2**31 - 1] * 2
+        return LoraTerm(rnd(b, len(sizes) * r, dtype=torch.float32), rnd(r, n, dtype=torch.float32) * 0.05, r,
+                        edges[0], edges[1])
+
+    def close(a, c):  # the in-kernel expand sums in another order than torch's matmul: 1 bf16 ulp
+        torch.testing.assert_close(a.float(), c.float(), atol=1e-2, rtol=8e-3)
+
+    # the shrink against float64
+    for k in (1024, 3584, 27648):
+        xs, a = rnd(b, k), torch.randn(3 * r, k, device=dev, generator=g) * 0.02
+        want = xs.double() @ a.double().t()
+        torch.testing.assert_close(ops.lora_shrink(xs, a).double(), want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(ref.lora_shrink(xs, a).double(), want, atol=1e-4, rtol=1e-4)
+    y, bias = rnd(b, (heads + 2 * kvh) * d), rnd((heads + 2 * kvh) * d)
     ang = torch.rand(b, d // 2, device=dev, generator=g) * 100
     cos, sin = torch.cat((ang, ang), -1).cos().bfloat16(), torch.cat((ang, ang), -1).sin().bfloat16()
     slot = torch.tensor([17], device=dev)
     caches = [rnd(8, kvh, S, d) for _ in range(2)]
     caches2 = [c.clone() for c in caches]
-    for bi, de in ((bias, delta), (None, None)):
-        q1 = ops.qkv_rope_cache(y, bi, de, cos, sin, *caches, slot, heads=heads, kv_heads=kvh, d=d)
-        q2 = ref.qkv_rope_cache(y, bi, de, cos, sin, *caches2, slot, heads=heads, kv_heads=kvh, d=d)
-        assert torch.equal(q1, q2) and torch.equal(caches[0], caches2[0]) and torch.equal(caches[1], caches2[1])
+    for bi, lo in ((bias, lora([heads * d, kvh * d, kvh * d])), (None, None)):
+        q1 = ops.qkv_rope_cache(y, bi, lo, cos, sin, *caches, slot, heads=heads, kv_heads=kvh, d=d)
+        q2 = ref.qkv_rope_cache(y, bi, lo, cos, sin, *caches2, slot, heads=heads, kv_heads=kvh, d=d)
+        if lo is None:
+            assert torch.equal(q1, q2) and torch.equal(caches[0], caches2[0]) and torch.equal(caches[1], caches2[1])
+        else:
+            close(q1, q2), close(caches[0], caches2[0]), close(caches[1], caches2[1])
     x, w = rnd(b, h), torch.rand(h, device=dev, generator=g) + 0.5
-    for yy, bi, de in ((rnd(b, h), rnd(h), rnd(b, h, dtype=torch.float32)), (None, None, None)):
-        x1, o1, f1 = ops.add_rmsnorm(x.clone(), yy, bi, de, w, 1e-6, True)
-        x2, o2, f2 = ref.add_rmsnorm(x.clone(), yy, bi, de, w, 1e-6, True)
-        assert torch.equal(x1, x2)
+    for yy, bi, lo in ((rnd(b, h), rnd(h), lora([h])), (None, None, None)):
+        x1, o1 = ops.add_rmsnorm(x.clone(), yy, bi, lo, w, 1e-6)
+        x2, o2 = ref.add_rmsnorm(x.clone(), yy, bi, lo, w, 1e-6)
+        close(x1, x2)
+        if lo is None:
+            assert torch.equal(x1, x2)
         assert (o1.float() - o2.float()).abs().max() <= 0.01 * o2.float().abs().max()
-        assert torch.equal(f1, o1.float())
     gu = rnd(b, 2 * inter) * 4
-    a1, f1 = ops.silu_mul(gu, None, rnd(b, 2 * inter, dtype=torch.float32), True)
-    a2, _ = ref.silu_mul(gu, None, None, True)
-    a3, _ = ops.silu_mul(gu, None, None, False)
-    torch.testing.assert_close(a3.float(), a2.float(), atol=0, rtol=8e-3)
-    assert torch.equal(f1, a1.float())
+    lo = lora([inter, inter])
+    close(ops.silu_mul(gu, None, lo), ref.silu_mul(gu, None, lo))
+    torch.testing.assert_close(ops.silu_mul(gu, None, None).float(), ref.silu_mul(gu, None, None).float(), atol=0,
+                               rtol=8e-3)
 
 
 @gpu

@@ -26,7 +26,9 @@ _P = ctypes.c_void_p
 _I = ctypes.c_int
 _SIGNATURES = {
     "qerl_nvfp4_gemm_small": [_I, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P],
+    "qerl_nvfp4_gemm_wg": [_I, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P],
     "qerl_nvfp4_occupancy": [_I, _I],
+    "qerl_nvfp4_occupancy_wg": [_I, _I],
     "qerl_nvfp4_dequant": [_P, _P, _I, _I, _I, _I, _P],
     "qerl_nvfp4_error_string": [_I],
 }
@@ -49,31 +51,39 @@ def _cache_dir() -> Path:
     return base / "kernels"
 
 
-def build(verbose: bool = False) -> Path:
-    """Compile the kernels (or reuse the cached build) and return the shared library's path."""
+def compile_cached(source: Path, stem: str, flags: list[str], what: str) -> Path:
+    """``nvcc flags source`` into a shared library cached by a hash of the source, the flags and
+    the compiler's version (``$QERL_CACHE_DIR/kernels/{stem}_{hash}.so``); written atomically."""
     nvcc = _nvcc()
     if nvcc is None:
-        raise RuntimeError("nvcc not found: install the CUDA toolkit or set CUDA_HOME to build the NVFP4 kernels")
+        raise RuntimeError(f"nvcc not found: install the CUDA toolkit or set CUDA_HOME to build the {what}")
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
-    digest = hashlib.sha256((SOURCE.read_text() + " ".join(FLAGS) + version).encode()).hexdigest()[:16]
+    digest = hashlib.sha256((source.read_text() + " ".join(flags) + version).encode()).hexdigest()[:16]
     out_dir = _cache_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
-    target = out_dir / f"qerl_nvfp4_{digest}.so"
+    target = out_dir / f"{stem}_{digest}.so"
     if target.exists():
         return target
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        cmd = [nvcc, *FLAGS, "-o", tmp, str(SOURCE)]
+        cmd = [nvcc, *flags, "-o", tmp, str(source)]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
-            raise RuntimeError(f"building the NVFP4 kernels failed:\n{' '.join(cmd)}\n{res.stderr[-4000:]}")
-        if verbose:
-            log.info("built %s", target)
+            raise RuntimeError(f"building the {what} failed:\n{' '.join(cmd)}\n{res.stderr[-4000:]}")
+        log.debug("built %s", target)
         os.replace(tmp, target)  # atomic: concurrent builders agree on the file
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    return target
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the kernels (or reuse the cached build) and return the shared library's path."""
+    target = compile_cached(SOURCE, "qerl_nvfp4", FLAGS, "NVFP4 kernels")
+    if verbose:
+        log.info("kernels at %s", target)
     return target
 
 

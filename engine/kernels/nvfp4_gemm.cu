@@ -22,7 +22,13 @@
 // reused through L1 (M <= 16) or a cp.async shared-memory double buffer (M > 16). When the N tiles alone
 // cannot fill the GPU, K is split across blocks: partial sums go to an fp32 workspace and the
 // last block of a column (an atomic ticket) adds them in a fixed order, so results are
-// deterministic. Large M: a dequantizing pass writes bf16 weights and cuBLAS does the product.
+// deterministic.
+//
+// Medium M (gemm_wg_kernel, below): the same weight stream and dequantization feed Hopper's
+// warpgroup MMA (wgmma, register A operand) with the activations in a 4-stage shared-memory ring,
+// so 64 weight rows share one MMA per k16 step for up to 256 activation rows.
+//
+// Large M: a dequantizing pass writes bf16 weights and cuBLAS does the product.
 #include <cuda_runtime.h>
 #include <cstdint>
 
@@ -378,6 +384,356 @@ __global__ void __launch_bounds__(kWarps * 32, MT * TNW == 1 ? 4 : (MT * TNW <= 
   if (threadIdx.x == 0) counters[blockIdx.x] = 0;
 }
 
+// ---- Medium M (16..256 rows per block): warpgroup MMA (wgmma) --------------------------------
+// A block is WG warpgroups; warpgroup w owns 4 weight tiles (64 rows, the wgmma's M) and all BN
+// activation rows of the block (the wgmma's N). Each warp streams its own tile's records into
+// registers as the small kernel does (a ring of one group ahead, optional L2 prefetch) and
+// dequantizes them straight into the register A operand of wgmma, whose per-warp fragment is
+// the m16n8k16 A fragment the layout was made for. A is double-buffered per k16 step: the
+// dequantization of step j+1 runs while the tensor cores work on step j.
+//
+// Activations (the B operand, read by wgmma from shared memory): a ring of 4 chunk stages (64
+// inputs x BN rows). The MMA's input permutation inside a chunk moves 2-input (4-byte) pieces, so
+// the ring is filled by 4-byte cp.async (zero-filled past M and K). Each k16 step is stored as
+// wgmma's K-major "core matrices" (8 rows x 16 bytes): core (row block nb, k half p) at
+// nb * 288 + p * 144 bytes, step j at j * (36 BN + 32). The paddings make the 32 lanes of one
+// copy instruction (rows n and n+4, halves p, steps j and j+1, lane quads t) hit 32 different
+// banks. One barrier per chunk: it publishes chunk c and frees the stage of chunk c-1, which
+// the chunk c+3 copies then overwrite.
+constexpr int kCoreLbo = 144;  // bytes between the two k halves of a step (wgmma "leading" offset)
+constexpr int kCoreSbo = 288;  // bytes between 8-row blocks (wgmma "stride" offset)
+
+template <int BN>
+struct WgTile {
+  static constexpr int kStep = 36 * BN + 32;  // bytes of one k16 step (all BN rows)
+  static constexpr int kStage = 4 * kStep;    // one chunk
+  static constexpr int kSmem = 4 * kStage;    // the ring
+};
+
+// D[64 x N] += A[64 x 16] (registers, bf16) * B[16 x N] (shared memory, K-major), fp32 D.
+template <int N>
+__device__ __forceinline__ void wgmma_bf16(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc);
+
+// One wrapper per N (generated: the operand lists are spelled out).
+template <>
+__device__ __forceinline__ void wgmma_bf16<16>(float (&d)[8], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7}, "
+      "{%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_bf16<32>(float (&d)[16], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+      "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_bf16<64>(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_bf16<96>(float (&d)[48], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %53, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, "
+      "{%48, %49, %50, %51}, %52, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_bf16<128>(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_bf16<192>(float (&d)[96], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %101, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, "
+      "{%96, %97, %98, %99}, %100, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_bf16<256>(float (&d)[128], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "{%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
+__device__ __forceinline__ void wg_fence(uint32_t (&a)[4]) {
+  asm volatile("wgmma.fence.sync.aligned;" : "+r"(a[0]), "+r"(a[1]), "+r"(a[2]), "+r"(a[3])::"memory");
+}
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+template <int R>
+__device__ __forceinline__ void fence_acc(float (&d)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0));
+}
+
+template <int BN, int WG>
+__global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
+    gemm_wg_kernel(const int4* __restrict__ wq, const uint16_t* __restrict__ x,
+                   uint16_t* __restrict__ y, float* __restrict__ ws, int* __restrict__ counters,
+                   const float* __restrict__ alpha_p, int M, int N, int K, int ldx, int ldy,
+                   int ntiles, int kg, int splits, int gps, int pf) {
+  using T = WgTile<BN>;
+  constexpr int kGroup = 144;               // int4s per record
+  constexpr int kTiles = 4 * WG;            // weight tiles per block
+  constexpr int kRoundRows = 8 * WG;        // activation rows one copy round covers
+  constexpr int kRounds = BN / kRoundRows;  // copy rounds per chunk
+  static_assert(BN % kRoundRows == 0, "BN must be a multiple of 8 * WG");
+  extern __shared__ __align__(128) char wg_smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int tile = blockIdx.x * kTiles + warp;
+  const bool active = blockIdx.x * kTiles + (warp & ~3) < ntiles;  // uniform per warpgroup
+  const int split = blockIdx.y, m0 = blockIdx.z * BN;
+  const int g0 = split * gps;
+  const int g1 = min(kg, g0 + gps);
+  const int npad = ntiles * 16;
+
+  float acc[BN / 2];
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+
+  if (g0 < g1) {
+    // -- activation copies: lane (t, p, jb, tk) of warp w moves, per round q and a in {0, 1},
+    // the 4-byte piece (row 16q.. + nlo, inputs 16t + 4(2a + jb) + 2p) of the chunk.
+    const int cp = (lane >> 2) & 1, cjb = (lane >> 3) & 1, ctk = lane >> 4;
+    const int nlo = (warp & 3) + 8 * (warp >> 2) + 4 * ctk;
+    const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem));
+    const uint32_t dst0 =
+        sbase + cjb * T::kStep + cp * kCoreLbo + (nlo >> 3) * kCoreSbo + (nlo & 7) * 16 + 4 * t;
+    const int rows_left = M - m0 - nlo;
+    const size_t round_stride = (size_t)kRoundRows * ldx;
+    const uint16_t* xsrc =
+        x + (size_t)(m0 + (rows_left > 0 ? nlo : 0)) * ldx + 16 * t + 4 * cjb + 2 * cp + (size_t)g0 * 256;
+    int krem = K - g0 * 256 - 16 * t;  // inputs left from this lane's piece of the current group
+    auto issue = [&](int goff, int cc) {  // chunk cc of group (current + goff) into stage cc
+      const bool kok = goff * 256 + cc * 64 < krem;
+#pragma unroll
+      for (int q = 0; q < kRounds; ++q) {
+        const bool ok = kok && q * kRoundRows < rows_left;
+        const uint16_t* src = xsrc + q * round_stride + goff * 256 + cc * 64;
+#pragma unroll
+        for (int a = 0; a < 2; ++a)
+          cp_async4(dst0 + cc * T::kStage + 2 * a * T::kStep + q * (kRoundRows / 8) * kCoreSbo,
+                    ok ? src + 8 * a : x, ok);
+      }
+    };
+
+    // -- weights: this warp's tile, one group (4 chunks) in flight ahead
+    const int4* wptr = wq + ((size_t)(active ? tile : 0) * kg + g0) * kGroup + lane;
+    auto sload = [&](int grp) {
+      int2 r;
+      const int2* p = reinterpret_cast<const int2*>(wptr - lane + grp * kGroup + 128) + lane;
+      asm volatile("ld.global.nc.L1::no_allocate.v2.s32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+      return r;
+    };
+    int4 wb[4];
+    int2 sc = make_int2(0, 0), sn = make_int2(0, 0);
+    if (active) {
+#pragma unroll
+      for (int d = 0; d < 4; ++d) wb[d] = ld_stream(wptr + d * 32);
+      sc = sload(0);
+    }
+
+    issue(0, 0);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    issue(0, 1);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    issue(0, 2);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    const uint64_t desc0 = ((sbase >> 4) & 0x3FFF) | ((uint64_t)(kCoreLbo >> 4) << 16) |
+                           ((uint64_t)(kCoreSbo >> 4) << 32);
+    fence_acc(acc);
+
+    for (int gi = g0; gi < g1; ++gi) {
+      const bool more = gi + 1 < g1;
+      if (pf > 0 && active && lane < 18 && gi + pf < g1)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(wptr - lane + pf * kGroup + lane * 8));
+      if (active && more) sn = sload(1);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        asm volatile("cp.async.wait_group 2;" ::: "memory");  // chunk c of this group has landed
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        __syncthreads();
+        if (c == 0) issue(0, 3);
+        else if (more) issue(1, c - 1);
+        asm volatile("cp.async.commit_group;" ::: "memory");
+        if (active) {
+          const uint32_t sw = (c < 2) ? (uint32_t)sc.x : (uint32_t)sc.y;
+          const uint32_t sel = (c & 1) ? 0x4242u : 0x4040u;
+          const uint32_t sg = scale_pair(sw, sel), sg8 = scale_pair(sw, sel + 0x0101u);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            uint32_t a[4], r0, r1, r2, r3;
+            unpack8(word(wb[c], j), r0, r1, r2, r3);
+            a[0] = bmul2(r0, sg);   // row g,   MMA inputs 2t, 2t+1
+            a[1] = bmul2(r1, sg8);  // row g+8
+            a[2] = bmul2(r2, sg);   // row g,   MMA inputs 2t+8, 2t+9
+            a[3] = bmul2(r3, sg8);  // row g+8
+            wg_fence(a);
+            wgmma_bf16<BN>(acc, a, desc0 + ((c * T::kStage + j * T::kStep) >> 4));
+            wg_commit();
+            if (j < 3) wg_wait<1>();
+            else wg_wait<0>();
+          }
+          if (more) wb[c] = ld_stream(wptr + kGroup + c * 32);
+        }
+      }
+      sc = sn;
+      wptr += kGroup;
+      xsrc += 256;
+      krem -= 256;
+    }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    fence_acc(acc);
+  }
+
+  // acc[4i + e]: weight row g + 8 (e >> 1) of the tile, activation row m0 + 8i + 2t + (e & 1)
+  const float alpha = __ldg(alpha_p);
+  if (splits == 1) {
+    if (!active) return;
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tk = m0 + 8 * i + 2 * t + (e & 1), nn = tile * 16 + g + 8 * (e >> 1);
+        if (tk < M && nn < N) y[(size_t)tk * ldy + nn] = to_bf16(acc[4 * i + e] * alpha);
+      }
+    return;
+  }
+
+  // Split K (one activation tile, m0 = 0): partial sums, then the column's last block adds them.
+  if (active) {
+    float* part = ws + (size_t)split * M * npad;
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tk = 8 * i + 2 * t + (e & 1), nn = tile * 16 + g + 8 * (e >> 1);
+        if (tk < M) part[(size_t)tk * npad + nn] = acc[4 * i + e];
+      }
+  }
+  __threadfence();
+  __syncthreads();
+  __shared__ int is_last;
+  if (threadIdx.x == 0) is_last = atomicAdd(&counters[blockIdx.x], 1) == splits - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  constexpr int kWidth = kTiles * 16;
+  const int nb = blockIdx.x * kWidth;
+  for (int i = threadIdx.x; i < M * kWidth; i += WG * 128) {
+    const int tk = i / kWidth, nn = nb + i % kWidth;
+    if (nn >= N) continue;
+    float sum = 0.f;
+    for (int sp = 0; sp < splits; ++sp) sum += __ldcg(ws + ((size_t)sp * M + tk) * npad + nn);
+    y[(size_t)tk * ldy + nn] = to_bf16(sum * alpha);
+  }
+  if (threadIdx.x == 0) counters[blockIdx.x] = 0;
+}
+
 // Weights back to bf16 [N, K] (times 2^-7, exact) for the cuBLAS path and the backward pass.
 // One thread per lane of a record (four 16-byte loads in flight); each chunk's 16 rows x 128
 // bytes go through shared memory so every store instruction writes whole 128-byte rows.
@@ -462,6 +818,41 @@ Variant pick(int mt, int tnw) {
   return {nullptr, 0};
 }
 
+template <int BN, int WG>
+Variant wg_variant() {
+  return {reinterpret_cast<void*>(&gemm_wg_kernel<BN, WG>), WgTile<BN>::kSmem};
+}
+
+Variant pick_wg(int bn, int wg) {
+#define QERL_CASE(A, B) \
+  if (bn == A && wg == B) return wg_variant<A, B>();
+  QERL_CASE(16, 1) QERL_CASE(32, 1) QERL_CASE(64, 1) QERL_CASE(96, 1) QERL_CASE(128, 1)
+  QERL_CASE(16, 2) QERL_CASE(32, 2) QERL_CASE(64, 2) QERL_CASE(96, 2) QERL_CASE(128, 2)
+  QERL_CASE(192, 2) QERL_CASE(256, 2)
+#undef QERL_CASE
+  return {nullptr, 0};
+}
+
+// Rings over 48 KB of shared memory need the kernel's limit raised, once per kernel and device.
+cudaError_t allow_smem(const Variant& v) {
+  if (v.smem <= 48 * 1024) return cudaSuccess;
+  constexpr int kMaxDevices = 64, kMaxKernels = 16;
+  static void* done[kMaxDevices][kMaxKernels] = {};
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  for (int i = 0; dev < kMaxDevices && i < kMaxKernels && done[dev][i] != nullptr; ++i)
+    if (done[dev][i] == v.fn) return cudaSuccess;
+  err = cudaFuncSetAttribute(v.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, v.smem);
+  if (err == cudaSuccess && dev < kMaxDevices)
+    for (int i = 0; i < kMaxKernels; ++i)
+      if (done[dev][i] == nullptr) {
+        done[dev][i] = v.fn;
+        break;
+      }
+  return err;
+}
+
 }  // namespace
 
 extern "C" {
@@ -481,6 +872,34 @@ int qerl_nvfp4_gemm_small(int mt, int tnw, const void* wq, const void* x, void* 
                                      static_cast<cudaStream_t>(stream));
   if (err != cudaSuccess) return (int)err;
   return (int)cudaGetLastError();
+}
+
+// Medium M: the wgmma kernel. bn: activation rows per block (16, 32, 64, 96, 128; 192 and 256
+// with wg = 2); wg: warpgroups per block (64 weight rows each). Rows past bn go to further
+// blocks along z, which then must not split K.
+int qerl_nvfp4_gemm_wg(int bn, int wg, const void* wq, const void* x, void* y, void* ws,
+                       void* counters, const void* alpha, int M, int N, int K, int ldx, int ldy,
+                       int ntiles, int kg, int splits, int gps, int pf, void* stream) {
+  const Variant v = pick_wg(bn, wg);
+  const int mtiles = (M + bn - 1) / bn;
+  if (v.fn == nullptr || (mtiles > 1 && splits > 1)) return (int)cudaErrorInvalidValue;
+  cudaError_t err = allow_smem(v);
+  if (err != cudaSuccess) return (int)err;
+  dim3 grid((ntiles + 4 * wg - 1) / (4 * wg), splits, mtiles);
+  void* args[] = {&wq, &x, &y, &ws, &counters, &alpha, &M, &N, &K,
+                  &ldx, &ldy, &ntiles, &kg, &splits, &gps, &pf};
+  err = cudaLaunchKernel(v.fn, grid, dim3(wg * 128), args, v.smem, static_cast<cudaStream_t>(stream));
+  if (err != cudaSuccess) return (int)err;
+  return (int)cudaGetLastError();
+}
+
+int qerl_nvfp4_occupancy_wg(int bn, int wg) {
+  const Variant v = pick_wg(bn, wg);
+  if (v.fn == nullptr || allow_smem(v) != cudaSuccess) return 0;
+  int blocks = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, v.fn, wg * 128, v.smem) != cudaSuccess)
+    return 0;
+  return blocks;
 }
 
 // Resident blocks per SM of one variant (0 if the variant does not exist).

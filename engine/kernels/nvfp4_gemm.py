@@ -1,12 +1,15 @@
 """y = x @ W^T and dx = dy @ W for a frozen NVFP4 weight, as torch custom ops.
 
-Two paths on Hopper, picked per call from the number of activation rows M and the layer size
-(``use_fused``, crossovers measured on H200):
-- small M (up to 16-64): the fused kernel (weights dequantized in registers, the MMA's A operand;
-  see nvfp4_gemm.cu), its K split and tiles per warp chosen from block counts measured on H200.
-- larger M: one pass dequantizes to bf16 and cuBLAS multiplies, with the global scale as the
-  GEMM's alpha so the output is rounded once.
-dx = dy @ W always takes the second path (training has large M; the base gets no gradient).
+Three paths on Hopper, picked per call from the number of activation rows M (``kernel_path``,
+crossovers measured on H200):
+- "small" (decode, M up to SMALL_PATH_MAX): mma.sync with the weights dequantized in registers as
+  the MMA's A operand (see nvfp4_gemm.cu), K split and tiles per warp from measured block counts.
+- "wg" (M up to 32-128, the larger the layer the further): the same dequantization feeding
+  warpgroup MMAs (wgmma) whose B operand, the activations, streams through a shared-memory ring;
+  K split when the grid is small.
+- "cublas" (the rest): one pass dequantizes to bf16 and cuBLAS multiplies, with the global scale
+  as the GEMM's alpha so the output is rounded once.
+dx = dy @ W always takes the last path (training has large M; the base gets no gradient).
 Elsewhere (CPU, other GPUs, other dtypes, ``QERL_KERNELS=0``) the ops compute the same function
 in plain torch from the same repacked weights.
 """
@@ -33,6 +36,16 @@ _VARIANTS = {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4,
 # from M = 3 on and to cost 5-8% at M <= 2, where the kernel already keeps enough loads in flight.
 PREFETCH_GROUPS = int(os.environ.get("QERL_NVFP4_PREFETCH", "2"))
 _PREFETCH_MIN_M = 3
+
+# The wgmma kernel: activation rows per block (the wgmma's N) and warpgroups per block (64 weight
+# rows each).
+# Path crossovers in rows (kernel_path): small kernel up to SMALL_PATH_MAX, wgmma kernel up to
+# WG_M_MAX on large enough layers, dequantize + cuBLAS otherwise.
+WG_BN = (16, 32, 64, 96, 128, 192, 256)
+_WG_VARIANTS = {(bn, 1) for bn in WG_BN if bn <= 128} | {(bn, 2) for bn in WG_BN}
+SMALL_PATH_MAX = int(os.environ.get("QERL_NVFP4_SMALL_MAX", "16"))
+WG_M_MAX = int(os.environ.get("QERL_NVFP4_WG_MAX", "128"))
+WG_PREFETCH_GROUPS = int(os.environ.get("QERL_NVFP4_WG_PREFETCH", "2"))
 
 
 @dataclass(eq=False)
@@ -62,7 +75,7 @@ def prepare_tensors(
     wq = layout.repack(weight_packed, weight_scale)
     g = weight_global_scale.detach().float().reshape(-1)[:1]
     alpha = (2.0**layout.WEIGHT_EXP2 / g).to(weight_packed.device)
-    counters = torch.zeros(-(-wq.shape[0] // 8), dtype=torch.int32, device=weight_packed.device)
+    counters = torch.zeros(-(-wq.shape[0] // 4), dtype=torch.int32, device=weight_packed.device)
     n, k = weight_packed.shape[0], 2 * weight_packed.shape[1]
     return PreparedNVFP4(wq, alpha, counters, n, k, float(alpha.item()))
 
@@ -119,10 +132,24 @@ def _m_tiles(m: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1, -(-m // 8)))))
 
 
-def use_fused(m: int, n: int, k: int) -> bool:
-    """Fused kernel or dequantize + cuBLAS, from the crossovers measured on H200."""
+def kernel_path(m: int, n: int, k: int) -> str:
+    """"small", "wg" or "cublas" for M rows of an [n, k] layer (crossovers measured on H200: the
+    fused kernels pay off over dequantize + cuBLAS for fewer rows the smaller the layer)."""
+    if m <= SMALL_PATH_MAX:
+        return "small"
     weights = n * k
-    return m <= 16 or (m <= 32 and weights >= 20e6) or (m <= 64 and weights >= 40e6)
+    if m <= 32:  # the wgmma kernel wins here only with enough column blocks to need few K splits
+        if weights >= 60e6 and n >= 4096:
+            return "wg"
+        return "small" if weights >= 20e6 else "cublas"
+    if (m <= 64 and weights >= 30e6) or (m <= WG_M_MAX and weights >= 60e6):
+        return "wg"
+    return "cublas"
+
+
+def use_fused(m: int, n: int, k: int) -> bool:
+    """A fused kernel (small or wgmma) rather than dequantize + cuBLAS."""
+    return kernel_path(m, n, k) != "cublas"
 
 
 def small_config(m: int, p: PreparedNVFP4, device: torch.device, tnw: int | None = None,
@@ -141,6 +168,40 @@ def small_config(m: int, p: PreparedNVFP4, device: torch.device, tnw: int | None
         splits = max(1, min(p.kg, round(target / blocks_x)))
     gps = -(-p.kg // max(1, splits))
     return mt, tnw, -(-p.kg // gps), gps
+
+
+@lru_cache(maxsize=None)
+def _wg_occupancy(bn: int, wg: int) -> int:
+    return max(1, _build.library().qerl_nvfp4_occupancy_wg(bn, wg))
+
+
+def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = None, wg: int | None = None,
+              splits: int | None = None) -> tuple[int, int, int, int]:
+    """(activation rows per block, warpgroups per block, K splits, groups per split) for M rows.
+
+    Rows past 256 go to more row tiles (each dequantizes its weights again). K is split only for
+    a single row tile: half the splits that would fill one wave of resident blocks (measured on
+    H200 against the full wave and twice it: partial sums cost more than the extra occupancy gains).
+    """
+    tiles = -(-m // WG_BN[-1])
+    if bn is None:
+        bn = next(b for b in WG_BN if b * tiles >= m)
+    if wg is None:
+        wg = 2
+    if (bn, wg) not in _WG_VARIANTS:
+        raise ValueError(f"no wgmma kernel for {bn} rows per block with {wg} warpgroups")
+    tiles = -(-m // bn)
+    if splits is None or tiles > 1:
+        if tiles > 1:
+            splits = 1
+        else:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            blocks_x = -(-p.ntiles // (4 * wg))
+            wave = max(1, min(p.kg, round(_wg_occupancy(bn, wg) * _sm_count(index) / blocks_x)))
+            wave = -(-p.kg // -(-p.kg // wave))  # as launched: groups per split rounded up
+            splits = max(1, wave // 2)
+    gps = -(-p.kg // max(1, splits))
+    return bn, wg, -(-p.kg // gps), gps
 
 
 def _prefetch(m: int) -> int:
@@ -178,6 +239,37 @@ def gemm_small_into(x2: torch.Tensor, p: PreparedNVFP4, out: torch.Tensor, *, tn
     return out
 
 
+def gemm_wg_into(x2: torch.Tensor, p: PreparedNVFP4, out: torch.Tensor, *, bn: int | None = None,
+                 wg: int | None = None, splits: int | None = None, workspace: torch.Tensor | None = None,
+                 prefetch: int | None = None) -> torch.Tensor:
+    """wgmma kernel into ``out`` [M, N] (bf16, row stride N) for x2 [M, K] bf16, any M >= 1."""
+    m = x2.shape[0]
+    if m < 1:
+        raise ValueError("the wgmma kernel needs at least one row")
+    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
+        x2 = x2.contiguous()
+    bn, wg, splits, gps = wg_config(m, p, x2.device, bn, wg, splits)
+    if splits > 1:
+        blocks_x = -(-p.ntiles // (4 * wg))
+        if p.counters.numel() < blocks_x:
+            raise ValueError(f"split K with {wg} warpgroups per block needs {blocks_x} counters, the layer has "
+                             f"{p.counters.numel()}: make it with prepare_tensors")
+        need = splits * m * p.ntiles * 16
+        if workspace is None or workspace.numel() < need:
+            workspace = torch.empty(need, dtype=torch.float32, device=x2.device)
+        ws_ptr = workspace.data_ptr()
+    else:
+        ws_ptr = 0
+    lib = _build.library()
+    err = lib.qerl_nvfp4_gemm_wg(
+        bn, wg, p.wq.data_ptr(), x2.data_ptr(), out.data_ptr(), ws_ptr, p.counters.data_ptr(),
+        p.alpha.data_ptr(), m, p.n, p.k, x2.stride(0), out.stride(0), p.ntiles, p.kg, splits, gps,
+        WG_PREFETCH_GROUPS if prefetch is None else prefetch, _stream(x2.device),
+    )
+    _build.check(lib, err, "NVFP4 wgmma GEMM launch")
+    return out
+
+
 def dequant_into(p: PreparedNVFP4, out: torch.Tensor) -> torch.Tensor:
     """bf16 [N, K] weights times 2^-7 (exact) into ``out``."""
     lib = _build.library()
@@ -201,10 +293,13 @@ def _mm(x2: torch.Tensor, p: PreparedNVFP4) -> torch.Tensor:
     if x2.shape[0] == 0:
         return x2.new_zeros(0, p.n)
     if available(x2):
-        if use_fused(x2.shape[0], p.n, p.k):
-            out = torch.empty(x2.shape[0], p.n, dtype=torch.bfloat16, device=x2.device)
+        route = kernel_path(x2.shape[0], p.n, p.k)
+        if route == "cublas":
+            return _scaled_mm(x2, _weights(p, x2).t(), p.alpha_value)
+        out = torch.empty(x2.shape[0], p.n, dtype=torch.bfloat16, device=x2.device)
+        if route == "small":
             return gemm_small_into(x2, p, out)
-        return _scaled_mm(x2, _weights(p, x2).t(), p.alpha_value)
+        return gemm_wg_into(x2, p, out)
     w = _weights(p, x2).float()
     return (x2.float() @ w.t() * p.alpha_value).to(x2.dtype)
 

@@ -15,10 +15,10 @@ changes is how a decode token is computed:
 - q/k/v and gate/up run as one GEMM each: NVFP4 weights repacked once into one fused kernel
   operand, whose row ranges become the members' only copy (NVFP4Linear.make_resident: the
   compressed-tensors buffers are dropped, training reads the same operand); bf16 weights become
-  views into one concatenated tensor. The LoRA stays unmerged: its shrink is one matmul per
-  group on the concatenated A's, its expand one matmul on a block-diagonal B (scaling folded
-  in), refreshed from the live parameters at the start of every call, like the RMSNorm weights
-  with their AQN noise (no re-quantization).
+  views into one concatenated tensor. The LoRA stays unmerged: its shrink is one launch per
+  group on the concatenated A's, its expand runs inside the group's epilogue kernel on the
+  members' B's (scaling folded in), refreshed from the live parameters at the start of every
+  call, like the RMSNorm weights with their AQN noise (no re-quantization).
 - the element-wise work between GEMMs (bias and LoRA epilogues, residual add + RMSNorm,
   RoPE + cache write, SiLU * up) is one fused kernel per group on Hopper (fused_ops.CudaOps).
 
@@ -38,7 +38,7 @@ from torch import nn
 from engine.lora import LoRALinear
 from engine.model.cache import KVCache
 from engine.quant.base import FrozenLinear
-from engine.rollout.fused_ops import pick_ops
+from engine.rollout.fused_ops import LoraTerm, pick_ops
 from engine.rollout.native import _empty
 from engine.rollout.params import Completion, SamplingParams
 from engine.rollout.sampler import sample_next
@@ -81,10 +81,12 @@ class _Group:
         self.loras = [m if isinstance(m, LoRALinear) else None for m in self.members]
         self.ranks = [m.lora_A.shape[0] if m is not None else 0 for m in self.loras]
         self.lora = any(self.ranks)
-        if self.lora:
-            r = sum(self.ranks)
-            self.a_cat = torch.zeros(r, self.k, dtype=torch.float32, device=device)  # (R, K)
-            self.b_blk = torch.zeros(self.n, r, dtype=torch.float32, device=device)  # (N, R) block-diagonal
+        if self.lora:  # member m's A in rows [m*r, m*r + r_m) of a_cat, its B^T in b_pack's columns of its outputs
+            self.r = max(self.ranks)
+            self.a_cat = torch.zeros(len(self.members) * self.r, self.k, dtype=torch.float32, device=device)
+            self.b_pack = torch.zeros(self.r, self.n, dtype=torch.float32, device=device)  # B^T's side by side
+            edges = [sum(self.sizes[:i + 1]) for i in range(len(self.sizes))] + [2**31 - 1] * 2
+            self.n1, self.n2 = edges[0], edges[1]
 
     def _same_global_scale(self) -> bool:
         g = [b.weight_global_scale for b in self.bases]
@@ -141,16 +143,16 @@ class _Group:
         """Copy the live LoRA weights (scaling folded into B; a disabled adapter adds 0)."""
         if not self.lora:
             return
-        r0, n0 = 0, 0
-        for m, r, s in zip(self.loras, self.ranks, self.sizes):
+        n0 = 0
+        for i, (m, r, s) in enumerate(zip(self.loras, self.ranks, self.sizes)):
             if m is not None:
-                self.a_cat[r0:r0 + r].copy_(m.lora_A)
-                blk = self.b_blk[n0:n0 + s, r0:r0 + r]
+                self.a_cat[i * self.r:i * self.r + r].copy_(m.lora_A)
+                blk = self.b_pack[:r, n0:n0 + s]
                 if m.disabled:
                     blk.zero_()
                 else:
-                    torch.mul(m.lora_B, m.scaling, out=blk)
-            r0, n0 = r0 + r, n0 + s
+                    blk.copy_(m.lora_B.t() * m.scaling)
+            n0 += s
 
     def base(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, K) -> (B, N) without bias."""
@@ -162,11 +164,11 @@ class _Group:
             return torch.matmul(x, self.weight.t())
         return torch.cat([b._matmul(x) for b in self.bases], dim=-1)
 
-    def delta(self, x32: torch.Tensor | None) -> torch.Tensor | None:
-        """The LoRA term (B, N) fp32 from the fp32 input, or None."""
+    def lora_term(self, ops, x: torch.Tensor) -> LoraTerm | None:  # noqa: ANN001 - TorchOps | CudaOps
+        """The LoRA term of input x (B, K): its shrink now, its expand in the epilogue; or None."""
         if not self.lora:
             return None
-        return torch.mm(torch.mm(x32, self.a_cat.t()), self.b_blk.t())
+        return LoraTerm(ops.lora_shrink(x, self.a_cat), self.b_pack, self.r, self.n1, self.n2)
 
 
 @dataclass
@@ -226,7 +228,6 @@ class GraphRollout:
                                           norm_in=layer.input_layernorm, norm_post=layer.post_attention_layernorm,
                                           q_norm=layer.self_attn.q_norm, k_norm=layer.self_attn.k_norm))
             self.w_final = torch.empty(cfg.hidden_size, dtype=torch.float32, device=self.device)
-            self.want32 = any(g.lora for L in self.layers for g in (L.qkv, L.o, L.gu, L.down))
             shape = (cfg.num_layers, max_batch, cfg.num_kv_heads, max_len, cfg.head_dim)
             self.kc = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self.vc = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -259,28 +260,23 @@ class GraphRollout:
     def _step(self, b: int, s: int) -> None:
         cfg, ops = self.cfg, self.ops
         heads, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        n_rep, eps = heads // kvh, cfg.rms_norm_eps
+        eps = cfg.rms_norm_eps
         self.valid[:b].index_fill_(1, self.slot, True)
-        mask = torch.zeros(b, 1, n_rep, s, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~self.valid[:b, None, None, :s], float("-inf"))  # (B, 1, n_rep, S)
         freqs = self.pos[:b, None].float() * self.model.inv_freq  # (B, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)  # (B, D)
         x = self.model.model.embed_tokens(self.tok[:b])  # (B, H)
-        x, h, h32 = ops.add_rmsnorm(x, None, None, None, self.layers[0].w_in, eps, self.want32)
+        x, h = ops.add_rmsnorm(x, None, None, None, self.layers[0].w_in, eps)
         n = len(self.layers)
         for i, L in enumerate(self.layers):
-            q = ops.qkv_rope_cache(L.qkv.base(h), L.qkv.bias, L.qkv.delta(h32), cos, sin, self.kc[i], self.vc[i],
-                                   self.slot, heads=heads, kv_heads=kvh, d=d, q_norm=L.q_norm, k_norm=L.k_norm)
-            o = F.scaled_dot_product_attention(q.view(b, kvh, n_rep, d), self.kc[i, :b, :, :s], self.vc[i, :b, :, :s],
-                                               attn_mask=mask)  # (B, kv, n_rep, D)
-            o = o.reshape(b, heads * d)
-            x, h, h32 = ops.add_rmsnorm(x, L.o.base(o), L.o.bias, L.o.delta(o.float() if L.o.lora else None),
-                                        L.w_post, eps, self.want32)
-            a, a32 = ops.silu_mul(L.gu.base(h), L.gu.bias, L.gu.delta(h32), self.want32)
+            q = ops.qkv_rope_cache(L.qkv.base(h), L.qkv.bias, L.qkv.lora_term(ops, h), cos, sin, self.kc[i],
+                                   self.vc[i], self.slot, heads=heads, kv_heads=kvh, d=d, q_norm=L.q_norm,
+                                   k_norm=L.k_norm)
+            o = ops.decode_attention(q, self.kc[i], self.vc[i], self.valid, s)  # (B, heads * D)
+            x, h = ops.add_rmsnorm(x, L.o.base(o), L.o.bias, L.o.lora_term(ops, o), L.w_post, eps)
+            a = ops.silu_mul(L.gu.base(h), L.gu.bias, L.gu.lora_term(ops, h))
             w_next = self.layers[i + 1].w_in if i + 1 < n else self.w_final
-            x, h, h32 = ops.add_rmsnorm(x, L.down.base(a), L.down.bias, L.down.delta(a32), w_next, eps,
-                                        self.want32 and i + 1 < n)
+            x, h = ops.add_rmsnorm(x, L.down.base(a), L.down.bias, L.down.lora_term(ops, a), w_next, eps)
         self.logits[:b].copy_(F.linear(h, self.model.lm_head.weight))
         self.pos[:b] += 1
         self.slot += 1

@@ -2,7 +2,8 @@
 //
 // Each kernel repeats the eager decoder's operations with the same bf16 roundings, in the same
 // order: a projection's output gets its bias added in bf16, then its LoRA delta in fp32 and is
-// rounded once more; the residual add is a bf16 add; RMSNorm computes in fp32 and rounds once;
+// rounded once more (the delta's expand is done here: s (rows, G*r) from lora_shrink_kernel times
+// the output column's row of B, r multiply-adds per element); the residual add is a bf16 add; RMSNorm computes in fp32 and rounds once;
 // RoPE is three bf16 ops (x*cos, rotate_half(x)*sin, their sum). Only reduction orders differ.
 // Plain C entry points (no torch headers), launched on the caller's stream.
 #include <cuda_bf16.h>
@@ -14,19 +15,84 @@ typedef __nv_bfloat16 bf16;
 __device__ __forceinline__ float rb(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 __device__ __forceinline__ float ld(const bf16* p) { return __bfloat162float(*p); }
 
+// The LoRA term of a fused projection of up to three members (columns [0, n1), [n1, n2), [n2, N)):
+// delta[row, col] = s[row, m*r : (m+1)*r] . b[:, col], m the column's member; s = 0: no LoRA.
+struct Lora {
+  const float* s;  // (rows, ld_s) fp32: the shrink x @ A^T, member m in columns m*r .. m*r+r-1
+  const float* b;  // (r, ld_b) fp32: B^T with the scaling folded in (zero columns: no adapter there)
+  int r, ld_s, ld_b, n1, n2;
+};
+
 // Projection output after its bias and LoRA epilogue, as a bf16 value in fp32.
-__device__ __forceinline__ float proj(const bf16* y, const bf16* bias, const float* delta, long long row, int col,
+__device__ __forceinline__ float proj(const bf16* y, const bf16* bias, const Lora& L, long long row, int col,
                                       int ld_y) {
   float v = ld(y + row * ld_y + col);
   if (bias) v = rb(v + ld(bias + col));
-  if (delta) v = rb(v + delta[row * ld_y + col]);
+  if (L.s) {
+    const int m = (col >= L.n1) + (col >= L.n2);
+    const float* sp = L.s + row * L.ld_s + m * L.r;
+    const float* bp = L.b + col;  // column col of B^T: consecutive threads read consecutive words
+    float d = 0.f;
+#pragma unroll 8
+    for (int t = 0; t < L.r; ++t) d = fmaf(sp[t], bp[(long long)t * L.ld_b], d);
+    v = rb(v + d);
+  }
   return v;
+}
+
+// grid (ceil(n / 256), rows), block 256: out = proj(y, bias, L) (bias and LoRA epilogue of a
+// projection whose consumer runs one block per row, so that the expand uses the whole GPU).
+__global__ void lora_expand_kernel(const bf16* __restrict__ y, const bf16* __restrict__ bias, const Lora L,
+                                   bf16* __restrict__ out, int n, int ld_y) {
+  const long long row = blockIdx.y;
+  const int col = blockIdx.x * 256 + threadIdx.x;
+  if (col >= n) return;
+  out[row * n + col] = __float2bfloat16_rn(proj(y, bias, L, row, col, ld_y));
+}
+
+// grid (rtot, ceil(k / 1024), ceil(rows / 8)), block 256, s zeroed first: s[row, j] += the block's
+// 1024 inputs of sum_k x[row, k] * a[j, k] (fp32). Every thread loads 4 inputs of a and of each row.
+__global__ void lora_shrink_kernel(const bf16* __restrict__ x, int ldx, const float* __restrict__ a,
+                                   float* __restrict__ s, int rows, int k, int rtot) {
+  const int j = blockIdx.x, r0 = blockIdx.z * 8;
+  const int nr = min(8, rows - r0);
+  const int i = (blockIdx.y * 256 + threadIdx.x) * 4;
+  float acc[8];
+#pragma unroll
+  for (int q = 0; q < 8; ++q) acc[q] = 0.f;
+  if (i < k) {  // k is a multiple of 4, rows of x and a are 8-byte aligned
+    const float4 av = *reinterpret_cast<const float4*>(a + (long long)j * k + i);
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      if (q < nr) {
+        const uint2 raw = *reinterpret_cast<const uint2*>(x + (long long)(r0 + q) * ldx + i);
+        const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+        const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+        acc[q] = fmaf(av.x, lo.x, fmaf(av.y, lo.y, fmaf(av.z, hi.x, av.w * hi.y)));
+      }
+    }
+  }
+  __shared__ float part[8][8];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    float v = acc[q];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) part[q][warp] = v;
+  }
+  __syncthreads();
+  if (threadIdx.x < 64) {
+    const int q = threadIdx.x >> 3, w = threadIdx.x & 7;
+    float v = part[q][w];
+    for (int o = 4; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o, 8);
+    if (w == 0 && q < nr) atomicAdd(s + (long long)(r0 + q) * rtot + j, v);
+  }
 }
 
 // grid (rows, heads + 2 * kv_heads), block head_dim. q heads -> q_out (rows, heads, D) roped;
 // k heads roped and v heads as they are -> the caches at column *slot.
-__global__ void qkv_rope_cache_kernel(const bf16* __restrict__ y, const bf16* __restrict__ bias,
-                                      const float* __restrict__ delta, const bf16* __restrict__ cos_t,
+__global__ void qkv_rope_cache_kernel(const bf16* __restrict__ y, const bf16* __restrict__ bias, const Lora L,
+                                      const bf16* __restrict__ cos_t,
                                       const bf16* __restrict__ sin_t, bf16* __restrict__ q_out, bf16* kc, bf16* vc,
                                       const int64_t* __restrict__ slot, int heads, int kv_heads, int d,
                                       long long cache_row, long long cache_head, int ld_y) {
@@ -35,13 +101,13 @@ __global__ void qkv_rope_cache_kernel(const bf16* __restrict__ y, const bf16* __
   const int t = threadIdx.x;
   if (t >= d) return;
   const long long s = *slot;
-  const float x = proj(y, bias, delta, row, h * d + t, ld_y);
+  const float x = proj(y, bias, L, row, h * d + t, ld_y);
   if (h >= heads + kv_heads) {
     vc[row * cache_row + (long long)(h - heads - kv_heads) * cache_head + s * d + t] = __float2bfloat16_rn(x);
     return;
   }
   const int half = d / 2;
-  const float p = proj(y, bias, delta, row, h * d + (t < half ? t + half : t - half), ld_y);
+  const float p = proj(y, bias, L, row, h * d + (t < half ? t + half : t - half), ld_y);
   const float rot = t < half ? -p : p;
   const float c = ld(cos_t + row * d + t), sn = ld(sin_t + row * d + t);
   const bf16 o = __float2bfloat16_rn(rb(x * c) + rb(rot * sn));
@@ -69,18 +135,17 @@ __device__ float block_sum(float v) {
 }
 
 // grid (rows), block THREADS. x (rows, H) += projection output (if y), then
-// out = bf16(x * rsqrt(mean(x^2) + eps) * w) and, if out32, its fp32 copy.
+// out = bf16(x * rsqrt(mean(x^2) + eps) * w).
 template <int THREADS>
-__global__ void add_rmsnorm_kernel(bf16* x, const bf16* __restrict__ y, const bf16* __restrict__ bias,
-                                   const float* __restrict__ delta, const float* __restrict__ w, float eps,
-                                   bf16* __restrict__ out, float* __restrict__ out32, int hdim) {
+__global__ void add_rmsnorm_kernel(bf16* x, const bf16* __restrict__ y, const bf16* __restrict__ bias, const Lora L,
+                                   const float* __restrict__ w, float eps, bf16* __restrict__ out, int hdim) {
   const long long row = blockIdx.x;
   bf16* xr = x + row * hdim;
   float ss = 0.f;
   for (int i = threadIdx.x; i < hdim; i += THREADS) {
     float v = ld(xr + i);
     if (y) {
-      v = rb(v + proj(y, bias, delta, row, i, hdim));
+      v = rb(v + proj(y, bias, L, row, i, hdim));
       xr[i] = __float2bfloat16_rn(v);
     }
     ss += v * v;
@@ -89,51 +154,68 @@ __global__ void add_rmsnorm_kernel(bf16* x, const bf16* __restrict__ y, const bf
   for (int i = threadIdx.x; i < hdim; i += THREADS) {
     const float o = rb((ld(xr + i) * r) * w[i]);
     out[row * hdim + i] = __float2bfloat16_rn(o);
-    if (out32) out32[row * hdim + i] = o;
   }
 }
 
 // grid (ceil(I / 256), rows), block 256. gu (rows, 2I) = [gate | up] -> bf16(bf16(silu(g)) * u).
-__global__ void silu_mul_kernel(const bf16* __restrict__ gu, const bf16* __restrict__ bias,
-                                const float* __restrict__ delta, bf16* __restrict__ out, float* __restrict__ out32,
-                                int inter) {
+__global__ void silu_mul_kernel(const bf16* __restrict__ gu, const bf16* __restrict__ bias, const Lora L,
+                                bf16* __restrict__ out, int inter) {
   const long long row = blockIdx.y;
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= inter) return;
-  const float g = proj(gu, bias, delta, row, i, 2 * inter);
-  const float u = proj(gu, bias, delta, row, inter + i, 2 * inter);
+  const float g = proj(gu, bias, L, row, i, 2 * inter);
+  const float u = proj(gu, bias, L, row, inter + i, 2 * inter);
   const float s = rb(g / (1.0f + expf(-g)));
   const float o = rb(s * u);
   out[row * inter + i] = __float2bfloat16_rn(o);
-  if (out32) out32[row * inter + i] = o;
 }
+
 
 extern "C" {
 
-int qerl_qkv_rope_cache(const void* y, const void* bias, const void* delta, const void* cos_t, const void* sin_t,
+#define LORA_ARGS const void *ls, const void *lb, int lr, int lds, int ldb, int n1, int n2
+#define LORA_MAKE Lora{(const float*)ls, (const float*)lb, lr, lds, ldb, n1, n2}
+
+int qerl_lora_shrink(const void* x, int ldx, const void* a, void* s, int rows, int k, int rtot, void* stream) {
+  if (k % 4 || ldx % 4) return (int)cudaErrorInvalidValue;
+  cudaError_t err = cudaMemsetAsync(s, 0, sizeof(float) * (size_t)rows * rtot, (cudaStream_t)stream);
+  if (err != cudaSuccess) return (int)err;
+  dim3 grid(rtot, (k + 1023) / 1024, (rows + 7) / 8);
+  lora_shrink_kernel<<<grid, 256, 0, (cudaStream_t)stream>>>((const bf16*)x, ldx, (const float*)a, (float*)s, rows,
+                                                             k, rtot);
+  return (int)cudaGetLastError();
+}
+
+int qerl_lora_expand(const void* y, const void* bias, LORA_ARGS, void* out, int rows, int n, int ld_y,
+                     void* stream) {
+  dim3 grid((n + 255) / 256, rows);
+  lora_expand_kernel<<<grid, 256, 0, (cudaStream_t)stream>>>((const bf16*)y, (const bf16*)bias, LORA_MAKE,
+                                                             (bf16*)out, n, ld_y);
+  return (int)cudaGetLastError();
+}
+
+int qerl_qkv_rope_cache(const void* y, const void* bias, LORA_ARGS, const void* cos_t, const void* sin_t,
                         void* q_out, void* kc, void* vc, const void* slot, int rows, int heads, int kv_heads, int d,
                         long long cache_row, long long cache_head, int ld_y, void* stream) {
   if (d > 1024 || d % 2) return (int)cudaErrorInvalidValue;
   dim3 grid(rows, heads + 2 * kv_heads);
   qkv_rope_cache_kernel<<<grid, d, 0, (cudaStream_t)stream>>>(
-      (const bf16*)y, (const bf16*)bias, (const float*)delta, (const bf16*)cos_t, (const bf16*)sin_t, (bf16*)q_out,
+      (const bf16*)y, (const bf16*)bias, LORA_MAKE, (const bf16*)cos_t, (const bf16*)sin_t, (bf16*)q_out,
       (bf16*)kc, (bf16*)vc, (const int64_t*)slot, heads, kv_heads, d, cache_row, cache_head, ld_y);
   return (int)cudaGetLastError();
 }
 
-int qerl_add_rmsnorm(void* x, const void* y, const void* bias, const void* delta, const void* w, float eps, void* out,
-                     void* out32, int rows, int hdim, void* stream) {
+int qerl_add_rmsnorm(void* x, const void* y, const void* bias, LORA_ARGS, const void* w, float eps, void* out,
+                     int rows, int hdim, void* stream) {
   add_rmsnorm_kernel<1024><<<rows, 1024, 0, (cudaStream_t)stream>>>(
-      (bf16*)x, (const bf16*)y, (const bf16*)bias, (const float*)delta, (const float*)w, eps, (bf16*)out,
-      (float*)out32, hdim);
+      (bf16*)x, (const bf16*)y, (const bf16*)bias, LORA_MAKE, (const float*)w, eps, (bf16*)out, hdim);
   return (int)cudaGetLastError();
 }
 
-int qerl_silu_mul(const void* gu, const void* bias, const void* delta, void* out, void* out32, int rows, int inter,
-                  void* stream) {
+int qerl_silu_mul(const void* gu, const void* bias, LORA_ARGS, void* out, int rows, int inter, void* stream) {
   dim3 grid((inter + 255) / 256, rows);
-  silu_mul_kernel<<<grid, 256, 0, (cudaStream_t)stream>>>((const bf16*)gu, (const bf16*)bias, (const float*)delta,
-                                                          (bf16*)out, (float*)out32, inter);
+  silu_mul_kernel<<<grid, 256, 0, (cudaStream_t)stream>>>((const bf16*)gu, (const bf16*)bias, LORA_MAKE, (bf16*)out,
+                                                          inter);
   return (int)cudaGetLastError();
 }
 

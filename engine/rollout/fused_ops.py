@@ -3,18 +3,19 @@
 ``TorchOps`` repeats the eager decoder's operations one for one (CPU, fallback, reference);
 ``CudaOps`` does each group in one kernel (fused_decode.cu), which matters at decode sizes,
 where a step is hundreds of tiny launches otherwise. Both take a projection's raw GEMM output
-plus its bias and LoRA delta and apply the eager epilogue (bias in bf16, then LoRA in fp32).
+plus its bias and LoRA term and apply the eager epilogue (bias in bf16, then LoRA in fp32). The
+LoRA term is a ``LoraTerm``: the shrink x @ A^T (one launch, ``lora_shrink``) and B, whose
+expand CudaOps does inside the epilogue kernel instead of as a matmul of its own.
 
 Rows are decode rows (one token each): x (B, H), q (B, heads, D), caches (B_max, kv, S, D).
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
 import subprocess
-import tempfile
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -29,12 +30,43 @@ SOURCE = Path(__file__).with_name("fused_decode.cu")
 FLAGS = ["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC"]
 
 
-def _proj(y: torch.Tensor, bias: torch.Tensor | None, delta: torch.Tensor | None) -> torch.Tensor:
+@dataclass
+class LoraTerm:
+    """The LoRA delta of a fused projection of up to three members (output columns [0, n1),
+    [n1, n2), [n2, N)): delta[:, cols of member m] = s[:, m*r:(m+1)*r] @ b[:, cols]."""
+
+    s: torch.Tensor  # (B, G*r) fp32: x @ A_cat^T
+    b: torch.Tensor  # (r, N) fp32: the members' B^T side by side, scaling folded in
+    r: int
+    n1: int
+    n2: int
+
+    def delta(self) -> torch.Tensor:
+        n = self.b.shape[1]
+        edges = [0, min(self.n1, n), min(self.n2, n), n]
+        parts = [self.s[:, m * self.r:(m + 1) * self.r] @ self.b[:, lo:hi]
+                 for m, (lo, hi) in enumerate(zip(edges, edges[1:])) if hi > lo]
+        return torch.cat(parts, dim=-1)
+
+
+def _proj(y: torch.Tensor, bias: torch.Tensor | None, lora: LoraTerm | None) -> torch.Tensor:
     if bias is not None:
         y = y + bias.to(y.dtype)
-    if delta is not None:
-        y = (y.float() + delta).to(y.dtype)
+    if lora is not None:
+        y = (y.float() + lora.delta()).to(y.dtype)
     return y
+
+
+def decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, valid: torch.Tensor, s: int) -> torch.Tensor:
+    """q (B, heads, D) over cache columns [0, s) where valid -> (B, heads * D), grouped heads as
+    one SDPA call (the n_rep query heads of a kv head are its query rows)."""
+    b, heads, d = q.shape
+    kvh = kc.shape[1]
+    n_rep = heads // kvh
+    mask = torch.zeros(b, 1, n_rep, s, dtype=q.dtype, device=q.device)
+    mask.masked_fill_(~valid[:b, None, None, :s], float("-inf"))  # (B, 1, n_rep, S)
+    o = F.scaled_dot_product_attention(q.view(b, kvh, n_rep, d), kc[:b, :, :s], vc[:b, :, :s], attn_mask=mask)
+    return o.reshape(b, heads * d)
 
 
 class TorchOps:
@@ -42,10 +74,13 @@ class TorchOps:
 
     name = "torch"
 
-    def qkv_rope_cache(self, y, bias, delta, cos, sin, kc, vc, slot, *, heads: int, kv_heads: int, d: int,
+    def lora_shrink(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        return torch.mm(x.float(), a.t())
+
+    def qkv_rope_cache(self, y, bias, lora, cos, sin, kc, vc, slot, *, heads: int, kv_heads: int, d: int,
                        q_norm=None, k_norm=None) -> torch.Tensor:
         b = y.shape[0]
-        y = _proj(y, bias, delta)
+        y = _proj(y, bias, lora)
         q = y[:, :heads * d].view(b, heads, d)
         k = y[:, heads * d:(heads + kv_heads) * d].view(b, kv_heads, d)
         v = y[:, (heads + kv_heads) * d:].view(b, kv_heads, d)
@@ -57,19 +92,20 @@ class TorchOps:
         vc[:b].index_copy_(2, slot, v[:, :, None])
         return q
 
-    def add_rmsnorm(self, x, y, bias, delta, w, eps: float, want32: bool):
+    def decode_attention(self, q, kc, vc, valid, s: int) -> torch.Tensor:
+        return decode_attention(q, kc, vc, valid, s)
+
+    def add_rmsnorm(self, x, y, bias, lora, w, eps: float):
         if y is not None:
-            x = x + _proj(y, bias, delta)
+            x = x + _proj(y, bias, lora)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-        out = (h * w).to(x.dtype)
-        return x, out, (out.float() if want32 else None)
+        return x, (h * w).to(x.dtype)
 
-    def silu_mul(self, gu, bias, delta, want32: bool):
-        gu = _proj(gu, bias, delta)
+    def silu_mul(self, gu, bias, lora):
+        gu = _proj(gu, bias, lora)
         g, u = gu.chunk(2, dim=-1)
-        out = F.silu(g) * u
-        return out, (out.float() if want32 else None)
+        return F.silu(g) * u
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -92,7 +128,22 @@ class CudaOps:
     def _stream(t: torch.Tensor) -> int:
         return torch.cuda.current_stream(t.device).cuda_stream
 
-    def qkv_rope_cache(self, y, bias, delta, cos, sin, kc, vc, slot, *, heads: int, kv_heads: int, d: int,
+    @staticmethod
+    def _lora(lora: LoraTerm | None) -> tuple:
+        if lora is None:
+            return (None, None, 0, 0, 0, 0, 0)
+        return (lora.s.data_ptr(), lora.b.data_ptr(), lora.r, lora.s.stride(0), lora.b.stride(0), lora.n1, lora.n2)
+
+    def lora_shrink(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        b, k = x.shape
+        if x.dtype != torch.bfloat16 or x.stride(1) != 1 or x.stride(0) % 4 or x.data_ptr() % 8:
+            x = x.to(torch.bfloat16).contiguous()
+        s = torch.empty(b, a.shape[0], dtype=torch.float32, device=x.device)
+        err = self.lib.qerl_lora_shrink(_ptr(x), x.stride(0), _ptr(a), _ptr(s), b, k, a.shape[0], self._stream(x))
+        self._check(err, "LoRA shrink")
+        return s
+
+    def qkv_rope_cache(self, y, bias, lora, cos, sin, kc, vc, slot, *, heads: int, kv_heads: int, d: int,
                        q_norm=None, k_norm=None) -> torch.Tensor:
         if q_norm is not None:
             raise ValueError("the fused decode path has no per-head q/k norm; use TorchOps")
@@ -100,66 +151,56 @@ class CudaOps:
         y = y.contiguous()
         q = torch.empty(b, heads, d, dtype=y.dtype, device=y.device)
         err = self.lib.qerl_qkv_rope_cache(
-            _ptr(y), _ptr(bias), _ptr(delta), _ptr(cos), _ptr(sin), _ptr(q), _ptr(kc), _ptr(vc), _ptr(slot), b, heads,
-            kv_heads, d, kc.stride(0), kc.stride(1), y.shape[1], self._stream(y))
+            _ptr(y), _ptr(bias), *self._lora(lora), _ptr(cos), _ptr(sin), _ptr(q), _ptr(kc), _ptr(vc), _ptr(slot), b,
+            heads, kv_heads, d, kc.stride(0), kc.stride(1), y.shape[1], self._stream(y))
         self._check(err, "fused q/k/v epilogue")
         return q
 
-    def add_rmsnorm(self, x, y, bias, delta, w, eps: float, want32: bool):
-        b, h = x.shape
-        out = torch.empty_like(x)
-        out32 = torch.empty(b, h, dtype=torch.float32, device=x.device) if want32 else None
-        err = self.lib.qerl_add_rmsnorm(_ptr(x), _ptr(None if y is None else y.contiguous()), _ptr(bias), _ptr(delta),
-                                        _ptr(w), ctypes.c_float(eps), _ptr(out), _ptr(out32), b, h, self._stream(x))
-        self._check(err, "fused residual + RMSNorm")
-        return x, out, out32
+    def decode_attention(self, q, kc, vc, valid, s: int) -> torch.Tensor:
+        return decode_attention(q, kc, vc, valid, s)
 
-    def silu_mul(self, gu, bias, delta, want32: bool):
+    def add_rmsnorm(self, x, y, bias, lora, w, eps: float):
+        b, h = x.shape
+        if lora is not None:  # the epilogue in a kernel of many blocks first: add_rmsnorm has one per row
+            y, src = torch.empty_like(x), y.contiguous()
+            err = self.lib.qerl_lora_expand(_ptr(src), _ptr(bias), *self._lora(lora), _ptr(y), b, h, h,
+                                            self._stream(x))
+            self._check(err, "LoRA expand")
+            bias, lora = None, None
+        out = torch.empty_like(x)
+        err = self.lib.qerl_add_rmsnorm(_ptr(x), _ptr(None if y is None else y.contiguous()), _ptr(bias),
+                                        *self._lora(lora), _ptr(w), ctypes.c_float(eps), _ptr(out), b, h,
+                                        self._stream(x))
+        self._check(err, "fused residual + RMSNorm")
+        return x, out
+
+    def silu_mul(self, gu, bias, lora):
         b, n2 = gu.shape
         inter = n2 // 2
         gu = gu.contiguous()
         out = torch.empty(b, inter, dtype=gu.dtype, device=gu.device)
-        out32 = torch.empty(b, inter, dtype=torch.float32, device=gu.device) if want32 else None
-        err = self.lib.qerl_silu_mul(_ptr(gu), _ptr(bias), _ptr(delta), _ptr(out), _ptr(out32), b, inter,
-                                     self._stream(gu))
+        err = self.lib.qerl_silu_mul(_ptr(gu), _ptr(bias), *self._lora(lora), _ptr(out), b, inter, self._stream(gu))
         self._check(err, "fused SiLU * up")
-        return out, out32
+        return out
 
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
+_LORA = [_P, _P, _I, _I, _I, _I, _I]
 _SIGNATURES = {
-    "qerl_qkv_rope_cache": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_longlong, ctypes.c_longlong,
-                            _I, _P],
-    "qerl_add_rmsnorm": [_P, _P, _P, _P, _P, ctypes.c_float, _P, _P, _I, _I, _P],
-    "qerl_silu_mul": [_P, _P, _P, _P, _P, _I, _I, _P],
+    "qerl_lora_shrink": [_P, _I, _P, _P, _I, _I, _I, _P],
+    "qerl_qkv_rope_cache": [_P, _P, *_LORA, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_longlong,
+                            ctypes.c_longlong, _I, _P],
+    "qerl_add_rmsnorm": [_P, _P, _P, *_LORA, _P, ctypes.c_float, _P, _I, _I, _P],
+    "qerl_silu_mul": [_P, _P, *_LORA, _P, _I, _I, _P],
+    "qerl_lora_expand": [_P, _P, *_LORA, _P, _I, _I, _I, _P],
     "qerl_fused_error_string": [_I],
 }
 
 
 def _build() -> Path:
-    from engine.kernels._build import _cache_dir, _nvcc
+    from engine.kernels._build import compile_cached
 
-    nvcc = _nvcc()
-    if nvcc is None:
-        raise RuntimeError("nvcc not found")
-    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
-    digest = hashlib.sha256((SOURCE.read_text() + " ".join(FLAGS) + version).encode()).hexdigest()[:16]
-    out_dir = _cache_dir()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    target = out_dir / f"qerl_fused_decode_{digest}.so"
-    if target.exists():
-        return target
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        res = subprocess.run([nvcc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"building {SOURCE.name} failed:\n{res.stderr[-4000:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+    return compile_cached(SOURCE, "qerl_fused_decode", FLAGS, "fused decode kernels")
 
 
 @lru_cache(maxsize=1)
