@@ -75,9 +75,26 @@ def prepare_tensors(
     wq = layout.repack(weight_packed, weight_scale)
     g = weight_global_scale.detach().float().reshape(-1)[:1]
     alpha = (2.0**layout.WEIGHT_EXP2 / g).to(weight_packed.device)
-    counters = torch.zeros(-(-wq.shape[0] // 4), dtype=torch.int32, device=weight_packed.device)
+    counters = split_counters(wq.shape[0], weight_packed.device)
     n, k = weight_packed.shape[0], 2 * weight_packed.shape[1]
     return PreparedNVFP4(wq, alpha, counters, n, k, float(alpha.item()))
+
+
+def split_counters(ntiles: int, device: torch.device) -> torch.Tensor:
+    """Zeroed split-K tickets for an operand of ``ntiles`` 16-row tiles (one per 64 rows, the
+    smallest column block of any kernel)."""
+    return torch.zeros(-(-ntiles // 4), dtype=torch.int32, device=device)
+
+
+def _workspace(splits: int, m: int, p: PreparedNVFP4, like: torch.Tensor,
+               given: torch.Tensor | None) -> torch.Tensor | None:
+    """The fp32 split-K partial sums (None without split K); the caller keeps it alive over the launch."""
+    if splits <= 1:
+        return None
+    need = splits * m * p.ntiles * 16
+    if given is None or given.numel() < need:
+        given = torch.empty(need, dtype=torch.float32, device=like.device)
+    return given
 
 
 def prepare_model(model: torch.nn.Module) -> int:
@@ -222,13 +239,8 @@ def gemm_small_into(x2: torch.Tensor, p: PreparedNVFP4, out: torch.Tensor, *, tn
     if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
         x2 = x2.contiguous()
     mt, tnw, splits, gps = small_config(m, p, x2.device, tnw, splits)
-    if splits > 1:
-        need = splits * m * p.ntiles * 16
-        if workspace is None or workspace.numel() < need:
-            workspace = torch.empty(need, dtype=torch.float32, device=x2.device)
-        ws_ptr = workspace.data_ptr()
-    else:
-        ws_ptr = 0
+    ws = _workspace(splits, m, p, x2, workspace)
+    ws_ptr = 0 if ws is None else ws.data_ptr()
     lib = _build.library()
     err = lib.qerl_nvfp4_gemm_small(
         mt, tnw, p.wq.data_ptr(), x2.data_ptr(), out.data_ptr(), ws_ptr, p.counters.data_ptr(),
@@ -254,12 +266,8 @@ def gemm_wg_into(x2: torch.Tensor, p: PreparedNVFP4, out: torch.Tensor, *, bn: i
         if p.counters.numel() < blocks_x:
             raise ValueError(f"split K with {wg} warpgroups per block needs {blocks_x} counters, the layer has "
                              f"{p.counters.numel()}: make it with prepare_tensors")
-        need = splits * m * p.ntiles * 16
-        if workspace is None or workspace.numel() < need:
-            workspace = torch.empty(need, dtype=torch.float32, device=x2.device)
-        ws_ptr = workspace.data_ptr()
-    else:
-        ws_ptr = 0
+    ws = _workspace(splits, m, p, x2, workspace)
+    ws_ptr = 0 if ws is None else ws.data_ptr()
     lib = _build.library()
     err = lib.qerl_nvfp4_gemm_wg(
         bn, wg, p.wq.data_ptr(), x2.data_ptr(), out.data_ptr(), ws_ptr, p.counters.data_ptr(),

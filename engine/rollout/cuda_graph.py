@@ -39,10 +39,9 @@ from engine.lora import LoRALinear
 from engine.model.cache import KVCache
 from engine.quant.base import FrozenLinear
 from engine.rollout.fused_ops import LoraTerm, pick_ops
-from engine.rollout.native import _empty
+from engine.rollout.batching import Rows, check_prompts, eos_ids, left_pad, sub_batches
 from engine.rollout.params import Completion, SamplingParams
 from engine.rollout.sampler import sample_next
-from engine.rollout.stops import StopStrings
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +99,7 @@ class _Group:
         range and its compressed-tensors buffers are dropped, so rollouts and training read one
         copy of the base. Otherwise the fused operand is a second copy, used by rollouts only."""
         from engine.kernels import PreparedNVFP4, prepare_tensors
+        from engine.kernels.nvfp4_gemm import split_counters
 
         bs = self.bases
         if len(bs) == 1:
@@ -110,8 +110,7 @@ class _Group:
         if views and all(b.resident is not None for b in bs):  # rebuilt engine: members already resident
             first = bs[0].resident
             fused = PreparedNVFP4(torch.cat([b.resident.wq for b in bs]), first.alpha,
-                                  torch.zeros(-(-(self.n // 16) // 8), dtype=torch.int32, device=first.wq.device),
-                                  self.n, self.k, first.alpha_value)
+                                  split_counters(self.n // 16, first.wq.device), self.n, self.k, first.alpha_value)
         else:
             sources = [b.source_buffers() for b in bs]
             packed = torch.cat([p for p, _ in sources])
@@ -123,7 +122,7 @@ class _Group:
         if views:
             row = 0
             for b, s in zip(bs, self.sizes):
-                counters = torch.zeros(-(-(s // 16) // 8), dtype=torch.int32, device=fused.wq.device)
+                counters = split_counters(s // 16, fused.wq.device)
                 b.make_resident(PreparedNVFP4(fused.wq[row // 16:(row + s) // 16], fused.alpha, counters, s, self.k,
                                               fused.alpha_value))
                 row += s
@@ -343,16 +342,11 @@ class GraphRollout:
     def _generate_batch(self, tokenizer, prompts: list[list[int]], params: SamplingParams, eos: set[int],
                         generator: torch.Generator | None, stop: Callable[[], bool]) -> tuple[list[Completion], bool]:
         model, dev = self.model, self.device
-        n, plen = len(prompts), max(len(p) for p in prompts)
-        if plen + params.max_new_tokens > self.max_len:
-            raise ValueError(f"prompt ({plen}) + max_new_tokens ({params.max_new_tokens}) exceeds the rollout "
+        n = len(prompts)
+        ids, mask = left_pad(prompts, tokenizer.pad_token_id)
+        if ids.shape[1] + params.max_new_tokens > self.max_len:
+            raise ValueError(f"prompt ({ids.shape[1]}) + max_new_tokens ({params.max_new_tokens}) exceeds the rollout "
                              f"engine's max_len {self.max_len}; build it with a larger max_len")
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        ids = torch.full((n, plen), pad, dtype=torch.long)
-        mask = torch.zeros(n, plen, dtype=torch.long)
-        for r, p in enumerate(prompts):  # left padding
-            ids[r, plen - len(p):] = torch.tensor(p)
-            mask[r, plen - len(p):] = 1
         b = _bucket(n, self.max_batch)
         self.valid.zero_()
         self.pos.zero_()
@@ -366,80 +360,49 @@ class GraphRollout:
         logits = model.logits(hidden).float()
         t1 = _now(dev)
         self.stats.prefill_s += t1 - t0
-        stops = StopStrings(tokenizer, params.stop)
-        live = list(range(n))  # cache row j holds sub-batch row live[j]
-        rows = None  # cache rows of the live sequences when they are not 0..len(live)-1
-        toks: list[list[int]] = [[] for _ in range(n)]
-        lps: list[list[float]] = [[] for _ in range(n)]
-        texts: list[str | None] = [None] * n
-        finish: list[str | None] = [None] * n
+        rows = Rows(tokenizer, params, eos, n)
+        at = None  # cache rows of the live sequences when they are not 0..len(live)-1
         cancelled = False
         for _ in range(params.max_new_tokens):
             nxt, lp = sample_next(logits, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                                   generator=generator)
-            keep = []
-            for j, (t, l) in enumerate(zip(nxt.tolist(), lp.tolist())):
-                r = live[j]
-                toks[r].append(t)
-                lps[r].append(l)
-                hit = stops.check(toks[r]) if params.stop and t not in eos else None
-                if t in eos:
-                    finish[r] = "stop"
-                elif hit is not None:
-                    k, texts[r] = hit
-                    del toks[r][k:], lps[r][k:]
-                    finish[r] = "stop"
-                elif len(toks[r]) >= params.max_new_tokens:
-                    finish[r] = "length"
-                else:
-                    keep.append(j)
+            keep = rows.record(nxt, lp)
             if not keep:
                 break
             if stop():
                 cancelled = True
-                for j in keep:
-                    finish[live[j]] = "cancelled"
+                rows.cancel(keep)
                 break
-            if len(keep) < len(live):
+            if len(keep) < len(rows.live):
                 sel = torch.tensor(keep, device=dev)
                 nxt = nxt.index_select(0, sel)
-                rows = sel if rows is None else rows.index_select(0, sel)
-                live = [live[j] for j in keep]
-                nb = _bucket(len(live), self.max_batch)
+                at = sel if at is None else at.index_select(0, sel)
+                rows.live = [rows.live[j] for j in keep]
+                nb = _bucket(len(rows.live), self.max_batch)
                 if nb < b:
-                    self._compact(rows)
-                    rows, b = None, nb
-            if rows is None:
-                self.tok[:len(live)].copy_(nxt)
+                    self._compact(at)
+                    at, b = None, nb
+            if at is None:
+                self.tok[:len(rows.live)].copy_(nxt)
             else:
-                self.tok.index_copy_(0, rows, nxt)
+                self.tok.index_copy_(0, at, nxt)
             self._run_step(b, slot)
             slot += 1
             self.stats.steps += 1
-            logits = self.logits[:len(live)] if rows is None else self.logits.index_select(0, rows)
+            logits = self.logits[:len(rows.live)] if at is None else self.logits.index_select(0, at)
         self.stats.decode_s += _now(dev) - t1
-        outs = []
-        for r in range(n):
-            text = texts[r] if texts[r] is not None else tokenizer.decode(toks[r], skip_special_tokens=True)
-            outs.append(Completion(list(prompts[r]), toks[r], torch.tensor(lps[r], dtype=torch.float32),
-                                   finish[r] or "length", text))
-            self.stats.tokens += len(toks[r])
+        outs = rows.completions(prompts)
+        self.stats.tokens += sum(len(c.token_ids) for c in outs)
         return outs, cancelled
 
     def generate(self, tokenizer, prompts: list[list[int]], params: SamplingParams, *,
                  generator: torch.Generator | None = None, should_stop: Callable[[], bool] | None = None,
                  max_batch: int | None = None) -> list[Completion]:
         max_batch = min(max_batch or self.max_batch, self.max_batch)
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1; got {max_batch}")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+        check_prompts(prompts, max_batch)
         model = self.model
-        eos = set(params.eos_token_ids or getattr(model, "eos_token_ids", None) or [tokenizer.eos_token_id])
-        eos.discard(None)
+        eos = eos_ids(model, tokenizer, params)
         stop = should_stop or (lambda: False)
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        out: list[Completion | None] = [None] * len(prompts)
         was_training = model.training
         model.eval()
         self.stats = RolloutStats(ops=self.ops.name, graphs=self.use_graphs, graphs_captured=0)
@@ -448,20 +411,10 @@ class GraphRollout:
         try:
             with torch.no_grad():
                 self.refresh()
-                cancelled = False
-                for s in range(0, len(order), max_batch):
-                    idx = order[s:s + max_batch]
-                    cancelled = cancelled or stop()
-                    if cancelled:
-                        batch = [_empty(prompts[i]) for i in idx]
-                    else:
-                        batch, cancelled = self._generate_batch(tokenizer, [prompts[i] for i in idx], params, eos,
-                                                                generator, stop)
-                    for i, c in zip(idx, batch):
-                        out[i] = c
+                return sub_batches(prompts, max_batch, stop,
+                                   lambda batch: self._generate_batch(tokenizer, batch, params, eos, generator, stop))
         finally:
             model.train(was_training)
-        return out  # type: ignore[return-value]
 
 
 def _now(device: torch.device) -> float:
