@@ -17,10 +17,10 @@ from pathlib import Path
 import httpx
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from qerl.client import Client, QerlError
+from qerl.watch import watch_job
 
 console = Console()
 
@@ -90,7 +90,7 @@ def run_demo(data_dir: Path, steps: int | None) -> int:
                                             "reinforcement": {"grader": qerl_ext.pop("grader")}},
                                  "qerl": qerl_ext})
         console.print(f"Submitted job [bold]{job['id']}[/] on {model}")
-        job = _follow(client, job)
+        job = watch_job(client, job["id"], console, interval=2.0)
         if job["status"] != "succeeded":
             err = job.get("error") or {}
             console.print(f"[red]Job {job['status']}[/]: {err.get('code')}: {err.get('message')}")
@@ -119,34 +119,6 @@ def _cancel_leftovers(client: Client) -> None:
         if job.get("user_provided_suffix") == "demo" and job["status"] in ("queued", "running"):
             client.cancel(job["id"])
             console.print(f"Cancelled {job['id']}, left unfinished by an earlier demo")
-
-
-def _follow(client: Client, job: dict) -> dict:
-    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
-               TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=console) as progress:
-        task = progress.add_task("queued", total=None, info="")
-        seen = 0
-        while True:
-            job = client.job(job["id"])
-            q = job.get("qerl") or {}
-            prog = q.get("progress") or {}
-            metrics = client.metrics(job["id"])
-            for m in metrics[seen:]:
-                v = m["values"]
-                if "reward_mean" in v:
-                    progress.console.print(
-                        f"step {m['step']:>3}  reward {v['reward_mean']:.3f}  acc {v.get('accuracy', 0):.2f}  "
-                        f"sigma {v.get('aqn_sigma', 0):.1e}  {v.get('rollout_tokens_per_s', 0):.0f} tok/s  "
-                        f"{v.get('step_s', 0):.1f} s")
-            seen = len(metrics)
-            last = next((m["values"] for m in reversed(metrics) if "reward_mean" in m["values"]), {})
-            info = f"reward {last['reward_mean']:.3f}" if last else ""
-            progress.update(task, description=job["status"], total=prog.get("total_steps") or None,
-                            completed=prog.get("step", 0), info=info)
-            if job["status"] in ("succeeded", "failed", "cancelled"):
-                return job
-            time.sleep(2)
 
 
 def register(app: typer.Typer) -> None:
