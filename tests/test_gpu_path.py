@@ -61,9 +61,15 @@ def test_gpu_path_matches_cpu_reference_after_the_rollout_engine_is_built():
     assert layers and all(m.resident is not None and m.weight_packed is None for m in layers)
     storages = {m.resident.wq.untyped_storage().data_ptr() for m in layers}
     assert len(storages) == 4 * SMALL["num_layers"]  # one operand per fused group, members are views of it
-    outs = eng.generate(NumberTokenizer(), [[5, 6, 7], [9] * 11], SamplingParams(max_new_tokens=16),
-                        generator=torch.Generator("cuda").manual_seed(0))
+    greedy = SamplingParams(max_new_tokens=16, temperature=0.0, eos_token_ids=[-1])
+    outs = eng.generate(NumberTokenizer(), [[5, 6, 7], [9] * 11], greedy)
     assert all(len(c.token_ids) == 16 for c in outs)
+    # a rebuilt engine (larger max_len) fuses the already-resident members' operands: same answers, one copy
+    eng2 = GraphRollout(gpu, max_batch=4, max_len=512)
+    assert [c.token_ids for c in eng2.generate(NumberTokenizer(), [[5, 6, 7], [9] * 11], greedy)] == \
+        [c.token_ids for c in outs]
+    assert len({m.resident.wq.untyped_storage().data_ptr() for m in layers}) == 4 * SMALL["num_layers"]
+    del eng
 
     ref_logp, ref_loss, ref_grads = _loss_and_grads(cpu, ids, mask, adv, spec)
     logp, loss, grads = _loss_and_grads(gpu, ids.cuda(), mask.cuda(), adv.cuda(), spec)
