@@ -1,25 +1,37 @@
 """Load on the API: many clients polling job status and streaming events while jobs are submitted.
 
 Starts ``uvicorn service.app:create_app`` (Postgres-backed, no worker: jobs stay queued) on a fresh
-database, then for ``--duration`` seconds runs ``--clients`` asyncio clients on loopback: most
-poll GET /v1/fine_tuning/jobs/{id} (and now and then the events page) every ``--poll`` seconds,
-``--streams`` of them hold an SSE event stream open, one submitter POSTs new jobs, and a writer
-appends job events to the database as workers would (so the streams carry data). Prints
-requests/s, p50/p99/max latency and errors per endpoint, SSE events received, and the database
-pool's peak checked-out connections against its capacity (from /metrics), plus the peak number
-of Postgres connections. Exit status 1 if any request failed.
+database, then for ``--duration`` seconds runs ``--clients`` clients on loopback: most poll
+GET /v1/fine_tuning/jobs/{id}, wait a random 1-2 s (``--poll`` to twice that) and poll again, as
+a real poller does (the CLI's ``jobs watch`` polls every second, the dashboard every 3 s), and
+read the events page every 5th poll; ``--streams`` of them hold an SSE event stream open; one
+submitter POSTs ``--submit-rate`` jobs a second; a writer appends job events to the database as
+workers would (so the streams carry data).
 
-    .venv/bin/python benchmarks/service_load.py --clients 200 --duration 30 --workers 1
+Latency is measured here, client-side, from writing a request to the last byte of its response.
+The pollers and the submitter use one keep-alive connection each and httptools' C parser on
+uvloop: httpx costs 1-4 ms of CPU per request, which on a small machine shared with the server
+would starve the server being measured (the SSE streams, a few events a second, use httpx).
+Prints requests/s, p50/p99/max latency and errors per endpoint, SSE events received, the database
+pool's peak checked-out connections against its capacity (from /metrics), the peak number of
+Postgres connections, and the CPU seconds used by the server, by the Postgres backends of the
+benchmark's database and by this generator, with the load average: on a shared machine those
+decide the numbers. Exit status 1 if any request failed.
+
+    .venv/bin/python benchmarks/service_load.py --clients 200 --streams 20 --duration 30 --workers 1
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import platform
 import random
+import resource
 import secrets
+import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,7 +39,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import httptools
 import httpx
+import uvloop
 from sqlalchemy import create_engine, text
 
 REPO = Path(__file__).resolve().parent.parent
@@ -38,12 +52,64 @@ from service.db import make_engine, make_sessionmaker, upgrade_head  # noqa: E40
 from service.models import JobEvent  # noqa: E402
 
 JOB = {"model": "smollm2-135m-instruct", "qerl": {"dataset": {"source": "reasoning_gym", "task": "products"}}}
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class Connection:
+    """One keep-alive HTTP/1.1 connection; reconnects when the server closed it."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def request(self, method: str, path: str, headers: dict[str, str], body: bytes = b"") -> tuple[int, bytes]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        head = f"{method} {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+        head += "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        if body or method in ("POST", "PUT", "PATCH"):
+            head += f"Content-Length: {len(body)}\r\n"
+        self.writer.write(head.encode() + b"\r\n" + body)
+        response = _Response()
+        parser = httptools.HttpResponseParser(response)
+        try:
+            while not response.complete:
+                data = await self.reader.read(65536)  # type: ignore[union-attr]
+                if not data:
+                    raise ConnectionError("the server closed the connection mid-response")
+                parser.feed_data(data)
+        except BaseException:
+            self.close()
+            raise
+        if not parser.should_keep_alive():
+            self.close()
+        return parser.get_status_code(), b"".join(response.body)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+
+class _Response:
+    """httptools callbacks: collect the body, note the end of the message."""
+
+    def __init__(self) -> None:
+        self.body: list[bytes] = []
+        self.complete = False
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        self.complete = True
 
 
 class Stats:
@@ -58,51 +124,55 @@ class Stats:
             self.errors[name].append(f"{status} {detail[:200]}")
 
 
-async def timed(stats: Stats, name: str, coro) -> httpx.Response | None:  # type: ignore[no-untyped-def]
+async def timed(stats: Stats, name: str, conn: Connection, method: str, path: str, headers: dict[str, str],
+                body: bytes = b"") -> tuple[int, bytes] | None:
     start = time.perf_counter()
     try:
-        resp = await coro
-    except httpx.HTTPError as exc:
+        status, data = await conn.request(method, path, headers, body)
+    except (OSError, ConnectionError) as exc:
         stats.record(name, time.perf_counter() - start, None, repr(exc))
         return None
-    stats.record(name, time.perf_counter() - start, resp.status_code, resp.text if resp.status_code >= 400 else "")
-    return resp
+    stats.record(name, time.perf_counter() - start, status, data.decode(errors="replace") if status >= 400 else "")
+    return status, data
 
 
-async def poller(http: httpx.AsyncClient, key: str, job_id: str, stats: Stats, deadline: float, poll: float) -> None:
+async def poller(conn: Connection, key: str, job_id: str, stats: Stats, deadline: float, poll: float) -> None:
     headers = {"Authorization": f"Bearer {key}"}
-    await asyncio.sleep(random.random() * poll)
+    await asyncio.sleep(random.uniform(0, 2 * poll))  # clients arrive spread out, not in lockstep
     n = 0
     while time.monotonic() < deadline:
-        await timed(stats, "GET job", http.get(f"/v1/fine_tuning/jobs/{job_id}", headers=headers))
+        await timed(stats, "GET job", conn, "GET", f"/v1/fine_tuning/jobs/{job_id}", headers)
         n += 1
         if n % 5 == 0:
-            await timed(stats, "GET events", http.get(f"/v1/fine_tuning/jobs/{job_id}/events?limit=20", headers=headers))
-        await asyncio.sleep(poll * (0.5 + random.random()))
+            await timed(stats, "GET events", conn, "GET", f"/v1/fine_tuning/jobs/{job_id}/events?limit=20", headers)
+        await asyncio.sleep(random.uniform(poll, 2 * poll))
+    conn.close()
 
 
 async def streamer(http: httpx.AsyncClient, key: str, job_id: str, stats: Stats, deadline: float) -> None:
     headers = {"Authorization": f"Bearer {key}", "Accept": "text/event-stream"}
     start = time.perf_counter()
     try:
-        async with http.stream("GET", f"/v1/fine_tuning/jobs/{job_id}/events", headers=headers,
-                               timeout=httpx.Timeout(10, read=None)) as resp:
-            stats.record("SSE connect", time.perf_counter() - start, resp.status_code)
-            async for line in resp.aiter_lines():
-                if line.startswith("id: "):
-                    stats.sse_events += 1
-                if time.monotonic() > deadline:
-                    break
+        async with asyncio.timeout(deadline - time.monotonic()):  # a quiet stream ends at the deadline too
+            async with http.stream("GET", f"/v1/fine_tuning/jobs/{job_id}/events", headers=headers,
+                                   timeout=httpx.Timeout(10, read=None)) as resp:
+                stats.record("SSE connect", time.perf_counter() - start, resp.status_code)
+                async for line in resp.aiter_lines():
+                    if line.startswith("id: "):
+                        stats.sse_events += 1
+    except TimeoutError:
+        pass
     except httpx.HTTPError as exc:
         stats.record("SSE connect", time.perf_counter() - start, None, repr(exc))
 
 
-async def submitter(http: httpx.AsyncClient, keys: list[str], stats: Stats, deadline: float, rate: float) -> None:
+async def submitter(conn: Connection, keys: list[str], stats: Stats, deadline: float, rate: float) -> None:
+    body = json.dumps(JOB).encode()
     while time.monotonic() < deadline:
-        key = random.choice(keys)
-        await timed(stats, "POST job", http.post("/v1/fine_tuning/jobs", json=JOB,
-                                                 headers={"Authorization": f"Bearer {key}"}))
+        headers = {"Authorization": f"Bearer {random.choice(keys)}", "Content-Type": "application/json"}
+        await timed(stats, "POST job", conn, "POST", "/v1/fine_tuning/jobs", headers, body)
         await asyncio.sleep(1 / rate)
+    conn.close()
 
 
 def event_writer(url: str, job_ids: list[str], deadline: float, rate: float) -> int:
@@ -135,6 +205,56 @@ async def pg_connections(admin_url: str, db: str, deadline: float, states: dict[
         await asyncio.sleep(0.25)
     engine.dispose()
     return peak
+
+
+# -- CPU accounting (Linux /proc) --------------------------------------------------------------
+def _cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime + stime
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        found += [int(c) for c in task.read_text().split()]
+    return found
+
+
+def server_cpu(pid: int) -> float:
+    """The uvicorn process and its workers (--workers > 1 forks them)."""
+    return _cpu_seconds(pid) + sum(_cpu_seconds(c) for c in _children(pid))
+
+
+def postgres_cpu(db: str) -> dict[int, float]:
+    """CPU seconds of each Postgres backend serving ``db`` (its process title names the database)."""
+    out = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                title = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if title.startswith("postgres:") and f" {db} " in title:
+                out[int(proc.name)] = _cpu_seconds(int(proc.name))
+    return out
+
+
+def client_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
 
 
 def pct(values: list[float], q: float) -> float:
@@ -187,7 +307,7 @@ async def run(args: argparse.Namespace) -> int:
             except httpx.HTTPError:
                 pass
             await asyncio.sleep(0.1)
-        limits = httpx.Limits(max_connections=args.clients + 20, max_keepalive_connections=args.clients + 20)
+        limits = httpx.Limits(max_connections=args.streams + 20, max_keepalive_connections=args.streams + 20)
         async with httpx.AsyncClient(base_url=base, limits=limits, timeout=30) as http:
             seeds = []  # one job per client to poll, created through the API
             for i in range(args.clients):
@@ -196,6 +316,8 @@ async def run(args: argparse.Namespace) -> int:
                 resp.raise_for_status()
                 seeds.append((key, resp.json()["id"]))
             stats = Stats()
+            load_before = os.getloadavg()
+            cpu0 = (server_cpu(server.pid), postgres_cpu(db), client_cpu())
             start = time.monotonic()
             deadline = start + args.duration
             writer = asyncio.get_running_loop().run_in_executor(None, event_writer, url, [j for _, j in seeds],
@@ -206,11 +328,18 @@ async def run(args: argparse.Namespace) -> int:
                 if i < args.streams:
                     tasks.append(asyncio.create_task(streamer(http, key, job_id, stats, deadline)))
                 else:
-                    tasks.append(asyncio.create_task(poller(http, key, job_id, stats, deadline, args.poll)))
-            tasks.append(asyncio.create_task(submitter(http, keys, stats, deadline, args.submit_rate)))
+                    conn = Connection("127.0.0.1", port)
+                    tasks.append(asyncio.create_task(poller(conn, key, job_id, stats, deadline, args.poll)))
+            tasks.append(asyncio.create_task(submitter(Connection("127.0.0.1", port), keys, stats, deadline,
+                                                       args.submit_rate)))
             results = await asyncio.gather(*tasks)
             written = await writer
             elapsed = time.monotonic() - start
+            pg_after = postgres_cpu(db)
+            cpu = (server_cpu(server.pid) - cpu0[0],
+                   sum(v - cpu0[1].get(pid, 0.0) for pid, v in pg_after.items()),
+                   client_cpu() - cpu0[2])
+            load_after = os.getloadavg()
         pool = scrape_pool(base)
     finally:
         if server is not None:
@@ -219,11 +348,14 @@ async def run(args: argparse.Namespace) -> int:
         with admin_engine.connect() as c:
             c.execute(text(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)'))
         admin_engine.dispose()
+        shutil.rmtree(tmp, ignore_errors=True)
 
     total = sum(len(v) for v in stats.latency.values())
     errors = sum(len(v) for v in stats.errors.values())
-    print(f"\nservice load: {args.clients} clients ({args.streams} SSE streams), {args.duration:.0f} s, "
-          f"uvicorn --workers {args.workers}, Postgres, {os.cpu_count()} CPUs")
+    print(f"\nservice load: {args.clients} clients ({args.streams} SSE streams, the others polling every "
+          f"{args.poll:g}-{2 * args.poll:g} s), {args.duration:.0f} s, uvicorn --workers {args.workers}, Postgres")
+    print(f"machine: {os.cpu_count()} CPUs ({cpu_model()}); load average "
+          f"{load_before[0]:.2f} before, {load_after[0]:.2f} after (1 min)")
     print(f"{'endpoint':<12} {'requests':>9} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'errors':>7}")
     for name in sorted(stats.latency):
         lat = stats.latency[name]
@@ -234,6 +366,9 @@ async def run(args: argparse.Namespace) -> int:
     print(f"DB pool: peak checked out {pool.get('qerl_db_pool_checked_out_peak', 0):.0f} of capacity "
           f"{pool.get('qerl_db_pool_capacity', 0):.0f} per process, pool timeouts "
           f"{pool.get('qerl_db_pool_timeouts', 0):.0f}; Postgres connections peak {results[0]} {states}")
+    print(f"CPU over the run (cores busy on average): server {cpu[0] / elapsed:.2f}, Postgres backends "
+          f"{cpu[1] / elapsed:.2f}, this load generator {cpu[2] / elapsed:.2f}; server CPU per request "
+          f"{1e3 * cpu[0] / max(total, 1):.2f} ms")
     for name, errs in stats.errors.items():
         print(f"  {name} errors, first: {errs[:3]}")
     p99 = pct(stats.latency.get("GET job", []), .99) * 1e3
@@ -246,13 +381,14 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=200)
     ap.add_argument("--streams", type=int, default=20, help="clients that hold an SSE stream instead of polling")
     ap.add_argument("--duration", type=float, default=30.0)
-    ap.add_argument("--poll", type=float, default=1.0, help="seconds between a client's polls (jittered)")
+    ap.add_argument("--poll", type=float, default=1.0,
+                    help="a poller waits a random POLL to 2*POLL seconds after each answer")
     ap.add_argument("--submit-rate", type=float, default=5.0, help="jobs POSTed per second")
     ap.add_argument("--event-rate", type=float, default=20.0, help="job events written per second")
     ap.add_argument("--projects", type=int, default=20, help="API keys the clients share")
     ap.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
     ap.add_argument("--pg", default=os.environ.get("QERL_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"))
-    sys.exit(asyncio.run(run(ap.parse_args())))
+    sys.exit(uvloop.run(run(ap.parse_args())))
 
 
 if __name__ == "__main__":

@@ -95,15 +95,19 @@ def save_checkpoint(root: Path, step: int, *, adapter: dict[str, torch.Tensor], 
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in adapter.items()}
-    save_file(tensors, str(tmp / "adapter.safetensors"))
-    torch.save({"optimizer": optimizer, "scheduler": scheduler}, tmp / "optimizer.pt")
-    torch.save(rng, tmp / "rng.pt")
-    _write_json(tmp / "state.json", {"step": step, **state})
-    _write_json(tmp / "spec.json", spec)
-    for f in tmp.iterdir():
-        _fsync_file(f)
-    _fsync_dir(tmp)
+    try:
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in adapter.items()}
+        save_file(tensors, str(tmp / "adapter.safetensors"))
+        torch.save({"optimizer": optimizer, "scheduler": scheduler}, tmp / "optimizer.pt")
+        torch.save(rng, tmp / "rng.pt")
+        _write_json(tmp / "state.json", {"step": step, **state})
+        _write_json(tmp / "spec.json", spec)
+        for f in tmp.iterdir():
+            _fsync_file(f)
+        _fsync_dir(tmp)
+    except BaseException:  # a full disk, say: give the space of the partial copy back at once
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if final.exists():  # the same step saved again (stop right after a resume): replace it
         trash = root / f".old-{final.name}-{os.getpid()}"
         final.rename(trash)

@@ -38,10 +38,8 @@ from engine.rl.aqn import apply_noise, clear_noise, sigma_for_step
 from engine.rl.loss import effective_mask, loss_denominator, policy_loss
 from engine.spec import TrainSpec
 from engine.train_batch import DataCursor, RolloutBatch, build_batch, encode_prompts
-from engine.types import Reporter, TrainError, TrainResult
+from engine.types import OOM_ADVICE, Reporter, TrainError, TrainResult, is_disk_full, is_out_of_memory
 
-_OOM_ADVICE = ("out of memory: lower micro_batch_size, rollout.max_batch, rollout.max_new_tokens or "
-               "rollout.num_generations, or keep gradient_checkpointing on")
 
 
 def train(spec: TrainSpec, *, workdir: Path, reporter: Reporter, should_stop: Callable[[], bool],
@@ -53,12 +51,18 @@ def train(spec: TrainSpec, *, workdir: Path, reporter: Reporter, should_stop: Ca
             return run.run(Path(resume_from) if resume_from is not None else None)
         finally:
             run.close()
-    except torch.cuda.OutOfMemoryError as exc:
-        raise TrainError("out_of_memory", _OOM_ADVICE) from exc
-    except RuntimeError as exc:
-        text = str(exc).lower()
-        if "out of memory" in text or "can't allocate memory" in text:
-            raise TrainError("out_of_memory", _OOM_ADVICE) from exc
+    except TrainError:
+        raise
+    except Exception as exc:
+        if is_out_of_memory(exc):
+            raise TrainError("out_of_memory", OOM_ADVICE) from exc
+        if is_disk_full(exc):
+            where = next((e.filename for e in (exc, exc.__cause__, exc.__context__) if getattr(e, "filename", None)),
+                         workdir)
+            raise TrainError("disk_full", f"No space left on device while writing {where}. Free space on the "
+                                          f"filesystem that holds {workdir} (checkpoints and adapters of old jobs are "
+                                          "the usual bulk), then run the job again; the last complete checkpoint "
+                                          "is kept.") from exc
         raise
 
 

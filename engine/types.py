@@ -1,6 +1,9 @@
-"""What the engine hands back to its caller: the Reporter protocol and TrainResult."""
+"""What the engine hands back to its caller: the Reporter protocol, TrainResult, TrainError,
+and how to tell the two resource failures a user can fix (memory, disk) from other errors."""
 from __future__ import annotations
 
+import errno
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -46,8 +49,47 @@ class TrainResult:
 
 class TrainError(ValueError):
     """A job failure a user can act on. ``code`` is stored on the job (e.g. "invalid_dataset",
-    "unknown_model", "out_of_memory", "max_runtime_exceeded")."""
+    "unknown_model", "out_of_memory", "disk_full", "max_runtime_exceeded")."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+OOM_ADVICE = ("The job ran out of memory. Lower micro_batch_size, rollout.max_batch, rollout.max_new_tokens or "
+              "rollout.num_generations, keep gradient_checkpointing on, or use a smaller model.")
+
+# torch's CPU allocator and CUDA raise RuntimeError subclasses; safetensors and torch.save report a
+# full disk as text (SafetensorError "StorageFull", "file write failed"), not always as OSError.
+_OOM_TEXT = ("out of memory", "can't allocate memory", "cannot allocate memory")
+_DISK_FULL_TEXT = ("no space left on device", "storagefull", "disk quota exceeded")
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """MemoryError, torch.cuda.OutOfMemoryError, or an allocator's ENOMEM, anywhere in the chain."""
+    for e in _chain(exc):
+        if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+            return True
+        if isinstance(e, OSError) and e.errno == errno.ENOMEM:
+            return True
+        if isinstance(e, RuntimeError) and any(t in str(e).lower() for t in _OOM_TEXT):
+            return True
+    return False
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """ENOSPC or EDQUOT anywhere in the chain (or the text libraries that wrap them use)."""
+    for e in _chain(exc):
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(t in str(e).lower() for t in _DISK_FULL_TEXT):
+            return True
+    return False

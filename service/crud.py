@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Select, and_, func, or_, select
+from sqlalchemy import Select, and_, bindparam, func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -12,6 +12,17 @@ from service.models import Adapter, Checkpoint, File, Job, JobEvent, JobMetric, 
 from service.views import ACTIVE
 
 MAX_LIMIT = 10_000
+
+# What pollers run on every request (GET job, the events page, the SSE loop), built once: building
+# a select() costs more CPU than running it.
+_JOB = select(Job).where(Job.id == bindparam("job_id"), Job.project == bindparam("project"))
+_JOB_FOR_UPDATE = _JOB.with_for_update()
+_EVENTS_DESC = (select(JobEvent).where(JobEvent.job_id == bindparam("job_id"))
+                .order_by(JobEvent.id.desc()).limit(bindparam("n")))
+_EVENTS_DESC_BEFORE = (select(JobEvent).where(JobEvent.job_id == bindparam("job_id"), JobEvent.id < bindparam("before"))
+                       .order_by(JobEvent.id.desc()).limit(bindparam("n")))
+_EVENTS_SINCE = (select(JobEvent).where(JobEvent.job_id == bindparam("job_id"), JobEvent.id > bindparam("after"))
+                 .order_by(JobEvent.id.asc()).limit(bindparam("n")))
 
 
 def page(session: Session, stmt: Select[Any], limit: int) -> tuple[list[Any], bool]:
@@ -68,8 +79,7 @@ def mark_file_deleted(session: Session, file: File) -> None:
 
 # ---- jobs -----------------------------------------------------------------------------------
 def get_job(session: Session, project: str, job_id: str, *, for_update: bool = False) -> Job | None:
-    stmt = select(Job).where(Job.id == job_id, Job.project == project)
-    return session.scalar(stmt.with_for_update() if for_update else stmt)
+    return session.scalar(_JOB_FOR_UPDATE if for_update else _JOB, {"job_id": job_id, "project": project})
 
 
 def job_by_idempotency_key(session: Session, project: str, key: str) -> Job | None:
@@ -106,15 +116,15 @@ def count_jobs_by_status(session: Session) -> dict[str, int]:
 
 # ---- events, metrics, checkpoints -----------------------------------------------------------
 def list_events_desc(session: Session, job_id: str, *, before: int | None, limit: int) -> tuple[list[JobEvent], bool]:
-    stmt = select(JobEvent).where(JobEvent.job_id == job_id)
+    params: dict[str, Any] = {"job_id": job_id, "n": limit + 1}  # one more: are there more?
     if before is not None:
-        stmt = stmt.where(JobEvent.id < before)
-    return page(session, stmt.order_by(JobEvent.id.desc()), limit)
+        params["before"] = before
+    rows = list(session.scalars(_EVENTS_DESC if before is None else _EVENTS_DESC_BEFORE, params))
+    return rows[:limit], len(rows) > limit
 
 
 def events_since(session: Session, job_id: str, after: int, limit: int = 500) -> list[JobEvent]:
-    stmt = select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.id > after).order_by(JobEvent.id.asc())
-    return list(session.scalars(stmt.limit(limit)))
+    return list(session.scalars(_EVENTS_SINCE, {"job_id": job_id, "after": after, "n": limit}))
 
 
 def latest_metrics(session: Session, job_id: str, *, after_step: int | None, limit: int) -> tuple[list[JobMetric], bool]:

@@ -3,17 +3,27 @@
 SQLite: WAL (readers never block the writer), a busy timeout, foreign keys on, and every
 transaction opened with ``BEGIN IMMEDIATE`` so that two writers queue on the lock instead of one
 failing with ``database is locked`` when it upgrades a read snapshot that went stale.
+
+Postgres: a pooled connection is checked before use without a round trip (``_check_on_checkout``):
+one the server closed (a restart sends each client a FATAL message, then EOF) has input pending on
+its idle socket and is replaced; one idle for over ``IDLE_PING_SECONDS`` is pinged. SQLAlchemy's
+``pool_pre_ping`` would add a round trip to every request, which under load costs more CPU than
+the query it guards.
 """
 from __future__ import annotations
 
+import select
+import time
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event, make_url, text
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+IDLE_PING_SECONDS = 10.0
 
 
 def make_engine(url: str, **kwargs: Any) -> Engine:
@@ -26,8 +36,38 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
                                                   "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}, **kwargs)
         _configure_sqlite(engine)
         return engine
-    connect_args = {"connect_timeout": 5} if parsed.get_backend_name() == "postgresql" else {}
-    return create_engine(url, pool_pre_ping=True, connect_args=connect_args, **kwargs)
+    if parsed.get_backend_name() != "postgresql":
+        return create_engine(url, pool_pre_ping=True, **kwargs)
+    engine = create_engine(url, connect_args={"connect_timeout": 5}, **kwargs)
+    _check_on_checkout(engine)
+    return engine
+
+
+def _check_on_checkout(engine: Engine) -> None:
+    """Replace a pooled connection the server closed, or that sat idle too long and fails a ping
+    (raising DisconnectionError makes the pool retry with a fresh connection)."""
+
+    @event.listens_for(engine, "connect")
+    @event.listens_for(engine, "checkin")
+    def _idle_from_now(_dbapi_conn: Any, record: Any) -> None:
+        record.info["idle_since"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _check(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+        if dbapi_conn.closed or input_pending(dbapi_conn.pgconn.socket):
+            raise DisconnectionError("the database server closed this connection")
+        if time.monotonic() - record.info.get("idle_since", 0.0) > IDLE_PING_SECONDS:
+            try:
+                engine.dialect.do_ping(dbapi_conn)
+            except Exception as exc:
+                raise DisconnectionError(f"the database connection failed a ping: {exc}") from exc
+
+
+def input_pending(fd: int) -> bool:
+    """An idle connection has nothing to read; data or EOF there means the server hung up."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLERR | select.POLLHUP)
+    return bool(poller.poll(0))
 
 
 def _configure_sqlite(engine: Engine) -> None:

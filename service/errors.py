@@ -19,11 +19,14 @@ import logging
 import re
 from typing import Any
 
+import psycopg
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from service.reads import PoolTimeout
 
 log = logging.getLogger(__name__)
 
@@ -142,15 +145,20 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(sa_exc.OperationalError)
     @app.exception_handler(sa_exc.InterfaceError)
     @app.exception_handler(sa_exc.TimeoutError)  # the pool had no connection to give in time
+    @app.exception_handler(psycopg.OperationalError)  # service.reads, on the event loop
+    @app.exception_handler(psycopg.InterfaceError)
+    @app.exception_handler(PoolTimeout)
     async def _database_down(req: Request, exc: Exception) -> JSONResponse:
         if isinstance(exc, sa_exc.TimeoutError) and getattr(req.app.state, "metrics", None) is not None:
-            req.app.state.metrics.pool.timed_out()
+            req.app.state.metrics.pool.timed_out()  # service.reads counts its own
         log.warning("database unavailable: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return database_unavailable(exc)
 
     @app.exception_handler(sa_exc.DataError)
-    async def _data_error(_req: Request, exc: sa_exc.DataError) -> JSONResponse:
-        detail = str(exc.orig).splitlines()[0][:200] if exc.orig else "invalid value"
+    @app.exception_handler(psycopg.DataError)
+    async def _data_error(_req: Request, exc: Exception) -> JSONResponse:
+        orig = getattr(exc, "orig", exc)
+        detail = str(orig).splitlines()[0][:200] if str(orig) else "invalid value"
         return error_response(400, f"A value in this request cannot be stored or compared by the database ({detail}); "
                                    "remove NUL characters (\\u0000) and keep numbers in range.", code="invalid_value")
 

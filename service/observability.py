@@ -42,8 +42,9 @@ class JobsCollector(Collector):
 
 
 class PoolStats(Collector):
-    """The database pool as Prometheus sees it: connections checked out now, the peak since start,
-    the configured size, and how many requests waited past the pool timeout (should stay 0)."""
+    """The database pools as Prometheus sees them (the ORM's pool plus, on Postgres, the polled
+    reads' pool of service.reads): connections checked out now, the peak since start, the
+    configured capacity, and how many requests waited past the pool timeout (should stay 0)."""
 
     def __init__(self) -> None:
         self.checked_out = self.peak = self.timeouts = 0
@@ -56,14 +57,19 @@ class PoolStats(Collector):
 
         @event.listens_for(engine, "checkout")
         def _out(*_: Any) -> None:
-            with self._lock:
-                self.checked_out += 1
-                self.peak = max(self.peak, self.checked_out)
+            self.changed(+1)
 
         @event.listens_for(engine, "checkin")
         def _in(*_: Any) -> None:
-            with self._lock:
-                self.checked_out -= 1
+            self.changed(-1)
+
+    def add_capacity(self, n: int) -> None:
+        self.size += n
+
+    def changed(self, delta: int) -> None:
+        with self._lock:
+            self.checked_out += delta
+            self.peak = max(self.peak, self.checked_out)
 
     def timed_out(self) -> None:
         with self._lock:

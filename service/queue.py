@@ -297,6 +297,42 @@ def _past(status: str) -> str:
 
 
 # -- recovery ---------------------------------------------------------------------------------
+SIGKILL_HINT = ("the kernel's out-of-memory killer sends SIGKILL when the host runs out of memory: the job likely "
+                "needs more memory than the worker has; lower micro_batch_size, rollout.max_batch or "
+                "rollout.num_generations, use a smaller model, or give the worker more memory")
+
+
+def worker_exited(session: Session, job_id: str, node: str, how: str) -> bool:
+    """A worker's main process saw its pool process die while running ``job_id`` (``how``: e.g.
+    "signal 9 (SIGKILL)"). End that attempt's lease now, so the next reaper pass recovers the
+    job instead of waiting out the lease, and record why. Only the attempt a process of ``node``
+    holds (lease owner ``node:pid``) is touched; False if there is none (already reaped, or the
+    process finished the job before it died)."""
+    row = session.execute(select(Job.attempt, Job.lease_owner).where(Job.id == job_id, Job.status.in_(ACTIVE))
+                          .with_for_update()).first()
+    if row is None or not row.lease_owner or row.lease_owner.rsplit(":", 1)[0] != node:
+        session.rollback()
+        return False
+    attempt, owner = row
+    session.execute(update(Job).where(_owned(job_id, attempt), Job.lease_owner == owner)
+                    .values(lease_expires_at=utcnow()))
+    hint = f"; {SIGKILL_HINT}" if "SIGKILL" in how else ""
+    add_event(session, job_id, attempt, f"The worker process running attempt {attempt} ({owner}) died: {how}{hint}",
+              level="error", data={"worker_exit": how})
+    session.commit()
+    return True
+
+
+def _exit_cause(session: Session, job_id: str, attempt: int) -> str:
+    """What worker_exited() recorded for this attempt, as a clause for the reaper's message."""
+    for e in session.scalars(select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.attempt == attempt,
+                                                    JobEvent.level == "error").order_by(JobEvent.id.desc()).limit(5)):
+        how = (e.data or {}).get("worker_exit")
+        if how:
+            return f" (its process died: {how}{'; ' + SIGKILL_HINT if 'SIGKILL' in how else ''})"
+    return ""
+
+
 def reap(session: Session) -> list[str]:
     """Jobs whose lease expired: back to queued (resume from the latest checkpoint), failed
     ``worker_lost`` after max_attempts, or cancelled if they were cancelling. Idempotent and
@@ -314,8 +350,8 @@ def reap(session: Session) -> list[str]:
             values, level = dict(status="cancelled", finished_at=now, **cleared), "info"
             msg = "Worker lost while cancelling; the job was cancelled"
         elif attempt >= max_attempts:
-            msg = (f"Worker lost on attempt {attempt} of {max_attempts}; giving up "
-                   f"(last checkpoint step {ckpt.step if ckpt else 0})")
+            msg = (f"Worker lost on attempt {attempt} of {max_attempts}{_exit_cause(session, job_id, attempt)}; "
+                   f"giving up (last checkpoint step {ckpt.step if ckpt else 0})")
             values, level = dict(status="failed", finished_at=now, error_code="worker_lost", error_message=msg,
                                  **cleared), "error"
         else:

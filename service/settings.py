@@ -45,9 +45,12 @@ class Settings(BaseSettings):
     db_pool_size: int = Field(default=10, ge=1)
     db_max_overflow: int = Field(default=30, ge=0)
     db_pool_timeout: float = Field(default=10.0, gt=0)  # then 503 database_unavailable, never a hang
+    db_read_pool_size: int = Field(default=10, ge=1)  # Postgres: the polled reads' own pool (service.reads)
 
     # API behaviour
     rate_limit_per_minute: int = Field(default=1200, ge=0)  # per API key; 0 disables
+    # a verified key is remembered this long; a revocation by another process takes effect within it
+    auth_cache_seconds: float = Field(default=5.0, ge=0)
     sse_poll_seconds: float = Field(default=0.5, gt=0)
     sse_keepalive_seconds: float = Field(default=15.0, gt=0)
     auto_migrate: bool | None = None  # None: only in embedded mode

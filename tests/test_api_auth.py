@@ -2,6 +2,8 @@
 objects answer 404; the per-key rate limit answers 429 with Retry-After."""
 from __future__ import annotations
 
+import time
+
 from sqlalchemy import select
 
 from service.auth import hash_secret, revoke_key
@@ -52,3 +54,24 @@ def test_rate_limit_429(make_client, key_a, key_b):
     assert_error(resp, 429, code="rate_limit_exceeded")
     assert int(resp.headers["retry-after"]) >= 1 and "x-should-retry" not in resp.headers
     assert limited.get("/v1/files", headers=key_b.headers).status_code == 200  # per key
+
+
+def test_a_key_revoked_by_another_process_stops_working_within_the_cache_time(make_client, key_a, db_sessions):
+    """The API caches a verified key for QERL_AUTH_CACHE_SECONDS; a revocation it cannot see (an
+    UPDATE from another process, as `qerl keys revoke` run elsewhere makes) holds after that long."""
+    from datetime import datetime, timezone
+
+    from sqlalchemy import update
+
+    client = make_client(auth_cache_seconds=3.0)
+    assert client.get("/v1/files", headers=key_a.headers).status_code == 200
+    cached_at = time.monotonic()
+    with db_sessions() as s:
+        s.execute(update(ApiKey).where(ApiKey.key_hash == hash_secret(key_a.secret))
+                  .values(revoked_at=datetime.now(timezone.utc)))
+        s.commit()
+    assert client.get("/v1/files", headers=key_a.headers).status_code == 200  # the cached key, no query
+    assert time.monotonic() - cached_at < 3.0
+    time.sleep(3.0 - (time.monotonic() - cached_at) + 0.1)
+    err = assert_error(client.get("/v1/files", headers=key_a.headers), 401, code="invalid_api_key")
+    assert "revoked" in err["message"]

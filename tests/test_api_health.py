@@ -1,16 +1,20 @@
 """/healthz, /readyz (503 with a clear error when the database or the broker is down),
-/metrics, the migration matching the ORM on both backends, and the service staying torch-free."""
+/metrics, an exhausted read pool answering 503, the migration matching the ORM on both backends,
+and the service staying torch-free."""
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
 from service.db import make_engine
 from service.models import Base
 from tests.test_api_files import assert_error
+from tests.test_hostile_api import RG_JOB
 
 
 def test_healthz_and_readyz(client):
@@ -52,3 +56,27 @@ def test_the_service_does_not_import_torch():
     code = ("import sys; import service.app, service.routes, qerl.cli_service; "
             "service.app.create_app; assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_an_exhausted_read_pool_answers_503_then_recovers(make_client, key_a, backend):
+    """The polled reads' own pool (service.reads, Postgres) with its one connection held: a GET job
+    waits db_pool_timeout, answers 503 database_unavailable with Retry-After (never hangs, never a
+    500), /metrics counts the timeout, and once the connection is back the same request answers 200."""
+    if backend != "postgres":
+        pytest.skip("on SQLite the polled reads share the ORM's pool (no pool of their own)")
+    client = make_client(db_read_pool_size=1, db_pool_timeout=0.5)
+    job_id = client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=RG_JOB).json()["id"]
+    assert client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=key_a.headers).status_code == 200
+    pool = client.app.state.reads.pool
+    held = client.portal.call(pool.acquire)  # on the server's event loop, as a request would hold it
+    try:
+        start = time.monotonic()
+        resp = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=key_a.headers)
+        took = time.monotonic() - start
+        err = assert_error(resp, 503, code="database_unavailable")
+        assert "retry" in err["message"] and int(resp.headers["retry-after"]) > 0
+        assert 0.5 <= took < 5, took
+        assert "qerl_db_pool_timeouts 1.0" in client.get("/metrics").text
+    finally:
+        client.portal.call(pool.release, held)
+    assert client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=key_a.headers).status_code == 200

@@ -1,13 +1,17 @@
 """Faults injected for real while jobs run, on private instances (the shared Postgres on 5432 and
 Redis on 6379 are never stopped): Redis stopped and restarted under the API and a Celery worker,
-Postgres restarted under both, a job over its max_runtime, and the disk filling up while a
-checkpoint is written. Each test asserts the end state: job statuses, attempts, row counts and
-the event stream. Real ``celery worker`` processes (tests/_worker_fixtures.py) run the real
-engine on the tiny model."""
+Postgres restarted under both, a job over its max_runtime, a job over the worker's memory (a real
+RLIMIT_AS on the worker's processes), a worker process SIGKILLed on every attempt (what the
+kernel's out-of-memory killer does), and the disk filling up while a checkpoint is written. Each
+test asserts the end state: job statuses, attempts, row counts and the event stream. Real
+``celery worker`` processes (tests/_worker_fixtures.py) run the real engine on the tiny model."""
 from __future__ import annotations
 
 import glob
+import json
 import os
+import resource
+import signal
 import secrets
 import shutil
 import socket
@@ -31,6 +35,9 @@ from tests.conftest import Key, _key
 
 PG_ADMIN = os.environ.get("QERL_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 pytestmark = pytest.mark.timeout(600)
+PG_OUTAGE_S, PG_JOB_STEPS = 18.0, 12  # far longer than the ~3.5 s the worker used to retry a write
+WIDE_MODEL_HIDDEN = 1536  # 4 layers: ~160M parameters, ~640 MB of fp32 weights
+MEMORY_HEADROOM_MB = 700  # over what an idle worker maps: a tiny job needs ~400 MB of it, the wide model ~1.4 GB
 
 
 def free_port() -> int:
@@ -138,7 +145,8 @@ def api(env: dict[str, str], tmp_path: Path) -> Iterator[TestClient]:
                         celery_queue=env["QERL_CELERY_QUEUE"], artifact_dir=Path(env["ARTIFACT_DIR"]),
                         embedded_worker=False, auto_migrate=False, rate_limit_per_minute=0,
                         config_path=tmp_path / "client.json", lease_seconds=float(env["QERL_LEASE_SECONDS"]),
-                        heartbeat_seconds=float(env["QERL_HEARTBEAT_SECONDS"]))
+                        heartbeat_seconds=float(env["QERL_HEARTBEAT_SECONDS"]),
+                        max_attempts=int(env.get("QERL_MAX_ATTEMPTS", 3)))
     try:
         with TestClient(create_app(settings), raise_server_exceptions=False) as client:
             yield client
@@ -230,6 +238,8 @@ def test_redis_stopped_and_restarted_loses_no_job(worker_queue_env, start_worker
 
 
 def test_postgres_restart_answers_503_and_the_worker_finishes(worker_queue_env, start_workers, tmp_path):
+    """An 18 s outage (the lease is 30 s): every API request answers 503, the running job's worker
+    retries its writes with back-off and finishes on attempt 1 with every step's metrics."""
     if os.geteuid() == 0 and not shutil.which("runuser"):
         pytest.skip("runuser is needed to start Postgres as the postgres user")
     pg = PrivatePostgres()
@@ -237,11 +247,12 @@ def test_postgres_restart_answers_503_and_the_worker_finishes(worker_queue_env, 
         pg.start()
         url = pg.create_db()
         env = env_for(worker_queue_env, DATABASE_URL=url, QERL_LEASE_SECONDS="30", QERL_HEARTBEAT_SECONDS="1")
-        start_workers(1, **{k: env[k] for k in ("DATABASE_URL", "QERL_CELERY_QUEUE", "QERL_LEASE_SECONDS",
-                                                "QERL_HEARTBEAT_SECONDS")})
+        [worker] = start_workers(1, **{k: env[k] for k in ("DATABASE_URL", "QERL_CELERY_QUEUE", "QERL_LEASE_SECONDS",
+                                                           "QERL_HEARTBEAT_SECONDS")})
         key = key_in(url, "pg")
         with api(env, tmp_path) as client:
-            job_id = client.post("/v1/fine_tuning/jobs", headers=key.headers, json=tiny_job(steps=5)).json()["id"]
+            job_id = client.post("/v1/fine_tuning/jobs", headers=key.headers,
+                                 json=tiny_job(steps=PG_JOB_STEPS)).json()["id"]
             wait_job(client, key, job_id, lambda j: j["status"] == "running" and j["qerl"]["progress"]["step"] >= 1)
             pg.stop()
             down = time.monotonic()
@@ -256,17 +267,22 @@ def test_postgres_restart_answers_503_and_the_worker_finishes(worker_queue_env, 
                 assert int(resp.headers["retry-after"]) > 0
             ready = client.get("/readyz")
             assert ready.status_code == 503 and ready.json()["error"]["code"] == "database_unavailable"
+            time.sleep(max(0.0, PG_OUTAGE_S - (time.monotonic() - down)))  # far past the old ~3.5 s of write retries
             pg.start()
             outage = time.monotonic() - down
             job = wait_job(client, key, job_id, finished)
             assert client.get("/readyz").status_code == 200
+        assert outage >= PG_OUTAGE_S
         assert job["status"] == "succeeded", job
         assert job["qerl"]["attempt"] == 1, f"the worker should ride out a {outage:.1f} s outage without a requeue"
+        assert "database unavailable while writing" in worker.log()  # the outage hit the run, which waited it out
         engine = make_engine(url)
         with make_sessionmaker(engine)() as s:
             assert s.scalar(select(func.count()).select_from(Job)) == 1  # the POST during the outage made nothing
             steps = sorted(s.scalars(select(JobMetric.step).where(JobMetric.job_id == job_id, JobMetric.step > 0)))
-            assert steps == [1, 2, 3, 4, 5], steps  # no step's metrics lost to the outage
+            assert steps == list(range(1, PG_JOB_STEPS + 1)), steps  # no step's metrics lost to the outage
+            assert s.scalar(select(func.count()).select_from(JobEvent).where(  # no requeue, no second start
+                JobEvent.job_id == job_id, JobEvent.message.like("%attempt 2%"))) == 0
         engine.dispose()
     finally:
         pg.destroy()
@@ -291,6 +307,101 @@ def test_a_job_over_its_max_runtime_fails_once_with_a_clear_code(worker_queue_en
     messages = [e["message"] for e in events]
     assert not any("requeued" in m or "Resuming" in m for m in messages), messages
     assert sum("The job failed" in m for m in messages) == 1
+
+
+def _vm_size_mb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) // 1024
+    raise AssertionError(f"no VmSize for pid {pid}")
+
+
+def _pool_processes(worker: Any) -> list[int]:
+    """The Celery main process and its pool children."""
+    main = worker.proc.pid
+    return [main, *(int(c) for c in Path(f"/proc/{main}/task/{main}/children").read_text().split())]
+
+
+def test_a_job_over_the_worker_memory_fails_once_with_out_of_memory(worker_queue_env, start_workers, fresh_db,
+                                                                     tmp_path, monkeypatch):
+    """A real cap (RLIMIT_AS, as `prlimit --as` or `ulimit -v` sets it) on a real worker: a small job
+    still fits, a job on a model too big for it fails ``out_of_memory`` on attempt 1 and stays
+    failed through later reaper passes (no requeue loop), with one failure event."""
+    from engine.model.tiny import make_tiny_model
+
+    wide = make_tiny_model(tmp_path / "wide", hidden=WIDE_MODEL_HIDDEN, layers=4)
+    models = json.dumps({**json.loads(worker_queue_env.get("QERL_MODELS") or "{}"), "wide": str(wide)})
+    monkeypatch.setenv("QERL_MODELS", models)  # the API checks model names too
+    env = env_for(worker_queue_env, DATABASE_URL=fresh_db, QERL_MODELS=models)
+    [worker] = start_workers(1, DATABASE_URL=fresh_db, QERL_CELERY_QUEUE=env["QERL_CELERY_QUEUE"], QERL_MODELS=models)
+    limit_mb = _vm_size_mb(worker.proc.pid) + MEMORY_HEADROOM_MB
+    for pid in _pool_processes(worker):  # the running pool process, and the main one later ones fork from
+        resource.prlimit(pid, resource.RLIMIT_AS, (limit_mb << 20, limit_mb << 20))
+    key = key_in(fresh_db, "memory")
+    with api(env, tmp_path) as client:
+        small = client.post("/v1/fine_tuning/jobs", headers=key.headers, json=tiny_job(steps=1)).json()["id"]
+        assert wait_job(client, key, small, finished)["status"] == "succeeded"  # the cap leaves room for real work
+        big = client.post("/v1/fine_tuning/jobs", headers=key.headers,
+                          json={**tiny_job(steps=1), "model": "wide"}).json()["id"]
+        job = wait_job(client, key, big, finished)
+        assert job["status"] == "failed" and job["error"]["code"] == "out_of_memory", job
+        assert "smaller model" in job["error"]["message"]
+        time.sleep(3 * float(env["QERL_REAP_INTERVAL_SECONDS"]) + float(env["QERL_LEASE_SECONDS"]))
+        again = client.get(f"/v1/fine_tuning/jobs/{big}", headers=key.headers).json()
+        events = client.get(f"/v1/fine_tuning/jobs/{big}/events?limit=1000", headers=key.headers).json()["data"]
+    assert worker.proc.poll() is None  # the worker survived its job's failure
+    assert again["status"] == "failed" and again["qerl"]["attempt"] == 1
+    messages = [e["message"] for e in events]
+    assert not any("requeued" in m or "Resuming" in m or "Worker lost" in m for m in messages), messages
+    assert sum("The job failed" in m for m in messages) == 1
+    assert sum(m.startswith("Job started") for m in messages) == 1
+
+
+def test_a_worker_killed_on_every_attempt_fails_the_job_after_max_attempts(worker_queue_env, start_workers,
+                                                                            fresh_db, tmp_path):
+    """The pool process running the job is SIGKILLed on each attempt (what the kernel's out-of-memory
+    killer does to the biggest process): the worker's main process reports the signal and ends the
+    lease, the reaper requeues once, then fails the job ``worker_lost`` naming SIGKILL and memory;
+    nothing runs a third time, and the worker goes on to run the next job."""
+    env = env_for(worker_queue_env, DATABASE_URL=fresh_db, QERL_MAX_ATTEMPTS="2")
+    [worker] = start_workers(1, DATABASE_URL=fresh_db, QERL_CELERY_QUEUE=env["QERL_CELERY_QUEUE"])
+    key = key_in(fresh_db, "killed")
+    engine = make_engine(fresh_db)
+    sessions = make_sessionmaker(engine)
+    try:
+        with api(env, tmp_path) as client:
+            job_id = client.post("/v1/fine_tuning/jobs", headers=key.headers, json=tiny_job(steps=400)).json()["id"]
+            killed = []
+            for attempt in (1, 2):
+                wait_job(client, key, job_id, lambda j, n=attempt: j["status"] == "running" and  # type: ignore[misc]
+                         j["qerl"]["attempt"] == n and j["qerl"]["progress"]["step"] >= 1)
+                with sessions() as s:
+                    owner = s.get(Job, job_id).lease_owner  # "<node>:<pid of the pool process>"
+                pid = int(owner.rsplit(":", 1)[1])
+                assert pid in _pool_processes(worker)[1:]
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            job = wait_job(client, key, job_id, finished, timeout=120)
+            time.sleep(3 * float(env["QERL_REAP_INTERVAL_SECONDS"]) + float(env["QERL_LEASE_SECONDS"]))
+            again = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=key.headers).json()
+            events = client.get(f"/v1/fine_tuning/jobs/{job_id}/events?limit=1000",
+                                headers=key.headers).json()["data"]
+            assert worker.proc.poll() is None  # the main process lives on and takes the next job
+            after = client.post("/v1/fine_tuning/jobs", headers=key.headers, json=tiny_job(steps=1)).json()["id"]
+            assert wait_job(client, key, after, finished)["status"] == "succeeded"
+    finally:
+        engine.dispose()
+    assert job["status"] == "failed" and job["error"]["code"] == "worker_lost", job
+    assert "attempt 2 of 2" in job["error"]["message"] and "SIGKILL" in job["error"]["message"]
+    assert "out-of-memory killer" in job["error"]["message"]
+    assert again["status"] == "failed" and again["qerl"]["attempt"] == 2  # no third attempt, ever
+    messages = [e["message"] for e in events]
+    assert sum(m.startswith(("Job started", "Resuming")) for m in messages) == 2, messages
+    assert sum(m.startswith("The worker process running attempt") and "died: signal 9 (SIGKILL)" in m
+               for m in messages) == 2, messages
+    assert sum(m.startswith("Worker lost; resuming") for m in messages) == 1, messages
+    assert sum(m.startswith("Worker lost on attempt 2 of 2") for m in messages) == 1, messages  # the one failure
+    assert len(set(killed)) == 2
 
 
 @contextmanager
@@ -336,7 +447,10 @@ def test_disk_full_while_saving_a_checkpoint_keeps_the_previous_one(worker_queue
             job = wait_job(client, key, job_id, finished)
             events = client.get(f"/v1/fine_tuning/jobs/{job_id}/events?limit=1000", headers=key.headers).json()
         assert job["status"] == "failed", job
-        assert "No space left on device" in job["error"]["message"], job["error"]
+        assert job["error"]["code"] == "disk_full", job["error"]
+        message = job["error"]["message"]
+        assert "No space left on device" in message and str(artifacts / "jobs" / job_id) in message
+        assert "Free space" in message
         assert job["qerl"]["attempt"] == 1
         # the previous checkpoint is intact and loads; no half-written step directory is visible
         saved = list_checkpoints(ckpts)
@@ -344,6 +458,7 @@ def test_disk_full_while_saving_a_checkpoint_keeps_the_previous_one(worker_queue
         ckpt = load_checkpoint(saved[-1])
         assert ckpt.step >= 2 and ckpt.adapter and all(v.isfinite().all() for v in ckpt.adapter.values())
         assert all(p.name.startswith("step-") for p in saved)
+        assert not [p.name for p in ckpts.iterdir() if p.name.startswith(".tmp-")]  # the partial copy was removed
         engine = make_engine(fresh_db)
         with make_sessionmaker(engine)() as s:
             rows = list(s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)))

@@ -180,3 +180,98 @@ def test_a_checkpoint_the_dead_worker_never_reported_is_still_used(ctx, sessions
     with sessions() as s:
         assert [m.step for m in _metrics(s, job.id) if m.attempt == 2] == list(range(on_disk + 1, 7))
         assert f"Resumed from checkpoint step {on_disk}" in [e.message for e in events(s, job.id)]
+
+
+def test_memory_and_disk_errors_get_their_own_codes(tmp_path):
+    """What torch, CUDA, Python and the filesystem raise, as the runner classifies it (no GPU here: the
+    CUDA error is constructed; the real host-memory and disk-full failures run in test_faults_services)."""
+    import errno
+
+    import torch
+
+    from worker.runner import _classify
+
+    art = tmp_path / "artifacts"
+    oom = [torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (GPU 0; 79.19 GiB total)"),
+           MemoryError(),
+           RuntimeError("[enforce fail at alloc_cpu.cpp:118] data. DefaultCPUAllocator: can't allocate memory: you "
+                        "tried to allocate 68719476736 bytes. Error code 12 (Cannot allocate memory)")]
+    for exc in oom:
+        code, message = _classify(exc, "ftjob-x", art)
+        assert code == "out_of_memory" and "micro_batch_size" in message, (exc, message)
+    full = OSError(errno.ENOSPC, "No space left on device", str(art / "adapters" / "a.tar.gz"))
+    code, message = _classify(full, "ftjob-x", art)
+    assert code == "disk_full" and str(art / "adapters" / "a.tar.gz") in message and str(art) in message
+    try:  # torch.save reports a full disk as a RuntimeError chained to the OSError
+        try:
+            raise OSError(errno.EDQUOT, "Disk quota exceeded")
+        except OSError as inner:
+            raise RuntimeError("[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing "
+                               "file data/0: file write failed") from inner
+    except RuntimeError as exc:
+        assert _classify(exc, "ftjob-x", art)[0] == "disk_full"
+    assert _classify(ValueError("something else"), "ftjob-x", art)[0] == "internal_error"
+
+
+def test_the_engine_maps_a_gpu_out_of_memory_error_to_out_of_memory(tiny_model_dir, tmp_path):
+    """engine.train turns torch.cuda.OutOfMemoryError raised mid-run into TrainError("out_of_memory")
+    (a reporter that raises it stands in for the GPU this machine lacks)."""
+    import torch
+
+    import engine
+    from engine.spec import TrainSpec
+    from engine.types import TrainError
+
+    class ExhaustedGPU:
+        def event(self, level, message, data=None):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+        def metrics(self, step, values):
+            raise AssertionError("unreachable")
+
+        def checkpoint(self, step, path, metrics=None):
+            raise AssertionError("unreachable")
+
+    spec = TrainSpec.from_dict(tiny_spec(str(tiny_model_dir), steps=1))
+    with pytest.raises(TrainError) as err:
+        engine.train(spec, workdir=tmp_path / "job", reporter=ExhaustedGPU(), should_stop=lambda: False,
+                     resume_from=None)
+    assert err.value.code == "out_of_memory" and "micro_batch_size" in str(err.value)
+
+
+def test_database_writes_retry_with_backoff_while_the_lease_lasts_then_give_up():
+    """LeaseKeeper.retry against a database that refuses connections (a closed port): back-off
+    0.25, 0.5, 1 s, then it stops before the 2 s lease (counted from the claim) would run out;
+    once the lease is known lost it does not retry at all."""
+    import socket
+
+    from sqlalchemy import text
+    from sqlalchemy.exc import OperationalError
+
+    from service.db import make_engine, make_sessionmaker
+    from worker.lease import LeaseKeeper
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    engine = make_engine(f"postgresql+psycopg://postgres@127.0.0.1:{port}/none")
+    down = make_sessionmaker(engine)
+    keeper = LeaseKeeper(down, "ftjob-x", 1, "test-worker", lease_seconds=2.0, interval_seconds=0.5)  # not started
+    tries: list[float] = []
+
+    def write() -> None:
+        tries.append(time.monotonic())
+        with down() as s:
+            s.execute(text("SELECT 1"))
+
+    with pytest.raises(OperationalError):
+        keeper.retry(write, "a test write")
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert len(tries) == 4 and [round(g * 4) / 4 for g in gaps] == [0.25, 0.5, 1.0], gaps
+    assert tries[-1] - keeper.renewed_at < 2.0
+    tries.clear()
+    keeper.lost.set()
+    with pytest.raises(OperationalError):
+        keeper.retry(write, "a test write")
+    assert len(tries) == 1
+    engine.dispose()

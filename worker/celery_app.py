@@ -122,6 +122,26 @@ def _on_shutdown(how: str = "Warm", **_: Any) -> None:
             pass
 
 
+@signals.task_failure.connect
+def _on_worker_lost(sender: Any = None, exception: BaseException | None = None, args: Any = None, **_: Any) -> None:
+    """In the main process: the pool process running a job died (SIGKILL from the kernel's
+    out-of-memory killer, a segfault). Say so on the job and end its lease now, so the reaper
+    requeues it (or fails it ``worker_lost`` after max_attempts) at its next pass."""
+    from billiard.exceptions import WorkerLostError
+
+    if not isinstance(exception, WorkerLostError) or getattr(sender, "name", None) != "qerl.run_job" or not args:
+        return
+    from service import queue
+
+    how = str(exception).removeprefix("Worker exited prematurely: ").split(" Job:")[0].rstrip(".") or "exited"
+    try:
+        with _session_factory()() as s:
+            queue.worker_exited(s, str(args[0]), sender.request.hostname, how)
+    except Exception as exc:  # the database is down: the reaper recovers the job once the lease runs out
+        log.warning("could not record the loss of job %s's worker process: %s: %s", args[0], type(exc).__name__,
+                    str(exc).splitlines()[0][:300] if str(exc) else "")
+
+
 class Maintenance(bootsteps.StartStopStep):
     """Reaper and sweeper on the worker's timer (the main thread's event loop with prefork)."""
 

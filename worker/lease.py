@@ -4,6 +4,12 @@ The engine polls ``should_stop()`` often, so the flags are plain Events it can r
 touching the database: ``cancelled`` (the API asked), ``lost`` (reaped, re-claimed, or the
 database unreachable for longer than the lease), ``orphaned`` (the Celery parent process died,
 so nobody would collect this child's result).
+
+``retry`` runs the worker's other database writes (progress, checkpoints, the outcome) through a
+database restart: exponential back-off for as long as the lease lasts since its last renewal.
+Past that the reaper may hand the job to another worker, so this one gives up; a write that does
+get through is still fenced by the attempt (``queue.fence``), so a worker whose job was taken
+over writes nothing.
 """
 from __future__ import annotations
 
@@ -12,12 +18,18 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
+from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session
 
 from service import queue
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+TRANSIENT = (OperationalError, InterfaceError, PoolTimeout)  # the database restarting, a dropped connection
+FIRST_RETRY_S, MAX_RETRY_S = 0.25, 5.0
 
 
 class LeaseKeeper(threading.Thread):
@@ -28,7 +40,27 @@ class LeaseKeeper(threading.Thread):
         self.lease_seconds, self.interval = lease_seconds, interval_seconds
         self.parent_pid = parent_pid
         self.cancelled, self.lost, self.orphaned = threading.Event(), threading.Event(), threading.Event()
+        self.renewed_at = time.monotonic()  # the claim just set the lease
         self._halt = threading.Event()
+
+    def retry(self, write: Callable[[], T], what: str) -> T:
+        """``write()``, retried on transient database errors with back-off (0.25 s doubling to 5 s)
+        until the lease would run out. LeaseLost and other errors are never retried."""
+        delay = FIRST_RETRY_S
+        while True:
+            try:
+                return write()
+            except TRANSIENT as exc:
+                left = self.renewed_at + self.lease_seconds - time.monotonic()
+                if self.lost.is_set() or delay > left:
+                    log.warning("job %s: giving up on %s: the database has been unreachable for longer than the "
+                                "lease (%.0f s)", self.job_id, what, self.lease_seconds)
+                    raise
+                log.warning("job %s: database unavailable while %s (%s); retrying in %.2f s (lease left %.0f s)",
+                            self.job_id, what, type(exc.orig if getattr(exc, "orig", None) else exc).__name__,
+                            delay, left)
+                time.sleep(delay)
+                delay = min(delay * 2, MAX_RETRY_S)
 
     def run(self) -> None:
         last_ok = time.monotonic()
@@ -36,21 +68,22 @@ class LeaseKeeper(threading.Thread):
             if self.parent_pid is not None and os.getppid() != self.parent_pid:
                 log.warning("job %s: the worker's parent process is gone; stopping the run", self.job_id)
                 self.orphaned.set()
+            sent = time.monotonic()  # the new lease runs from (no earlier than) here
             try:
                 with self.sessions() as s:
                     if queue.heartbeat(s, self.job_id, self.attempt, self.worker_id, lease_seconds=self.lease_seconds):
                         self.cancelled.set()
-                now = time.monotonic()
-                if now - last_ok > self.lease_seconds / 2:  # the lease nearly ran out: say why recovery may kick in
+                if sent - last_ok > self.lease_seconds / 2:  # the lease nearly ran out: say why recovery may kick in
                     log.warning("job %s: heartbeat %.1f s after the previous one (lease %.0f s); the host is "
-                                "overloaded or the database slow", self.job_id, now - last_ok, self.lease_seconds)
-                last_ok = now
+                                "overloaded or the database slow", self.job_id, sent - last_ok, self.lease_seconds)
+                last_ok = self.renewed_at = sent
             except queue.LeaseLost:
                 log.warning("job %s attempt %d: lease lost", self.job_id, self.attempt)
                 self.lost.set()
                 return
-            except Exception:  # transient: keep trying until the lease would have run out
-                log.warning("job %s: heartbeat failed", self.job_id, exc_info=True)
+            except Exception as exc:  # transient: keep trying until the lease would have run out
+                log.warning("job %s: heartbeat failed (%s: %s)", self.job_id, type(exc).__name__,
+                            str(exc).splitlines()[0][:200] if str(exc) else "")
                 if time.monotonic() - last_ok > self.lease_seconds:
                     self.lost.set()
                     return

@@ -3,19 +3,19 @@
 Each call is one short transaction that starts with ``queue.fence`` (so a reaped or
 re-claimed attempt can write nothing) and raises ``LeaseLost`` when the fence fails; the
 engine lets that propagate. A metrics write also notices a pending cancel, so the runner
-stops within one step even between heartbeats.
+stops within one step even between heartbeats. A write that finds the database down (a
+restart) is retried by ``retry`` (``LeaseKeeper.retry``: back-off while the lease lasts), so
+the run waits out the outage instead of failing.
 """
 from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select, update
-from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from service import queue
@@ -48,14 +48,17 @@ def step_message(step: int, total: int, values: dict[str, float | None]) -> str:
 
 class DBReporter:
     def __init__(self, sessions: Callable[[], Session], job_id: str, attempt: int, *, artifact_dir: Path,
-                 total_steps: int, on_cancel: Callable[[], None] = lambda: None) -> None:
+                 total_steps: int, retry: Callable[[Callable[[], None], str], None],
+                 on_cancel: Callable[[], None] = lambda: None) -> None:
         self.sessions, self.job_id, self.attempt = sessions, job_id, attempt
         self.artifact_dir, self.total_steps, self.on_cancel = Path(artifact_dir), total_steps, on_cancel
+        self.retry = retry
 
     # -- the Reporter protocol --------------------------------------------------------------
     def event(self, level: str, message: str, data: dict[str, Any] | None = None) -> None:
         level = level if level in ("info", "warn", "error") else ("warn" if level == "warning" else "info")
-        self._write(lambda s: queue.add_event(s, self.job_id, self.attempt, message, level=level, data=data))
+        self._write(lambda s: queue.add_event(s, self.job_id, self.attempt, message, level=level, data=data),
+                    "writing an event")
 
     def metrics(self, step: int, values: dict[str, float]) -> None:
         vals = clean_values(values)
@@ -76,7 +79,7 @@ class DBReporter:
                 queue.add_event(s, self.job_id, self.attempt, step_message(step, self.total_steps, vals),
                                 type="metrics", data={"step": step, "total_steps": self.total_steps, **vals})
 
-        self._write(write)
+        self._write(write, f"writing the metrics of step {step}")
 
     def checkpoint(self, step: int, path: Path, metrics: dict[str, float] | None = None) -> None:
         path = Path(path).resolve()
@@ -90,22 +93,16 @@ class DBReporter:
             s.add(Checkpoint(job_id=self.job_id, attempt=self.attempt, step=step, path=rel, metrics=vals,
                              created_at=utcnow()))
 
-        self._write(write)
+        self._write(write, f"recording the checkpoint of step {step}")
 
     # -- plumbing ---------------------------------------------------------------------------
-    def _write(self, fn: Callable[[Session], None], tries: int = 4) -> None:
-        """Fence, write, commit; retry transient database errors (a Postgres restart, a
-        dropped connection) with back-off. LeaseLost is never retried."""
-        for i in range(tries):
-            try:
-                with self.sessions() as s:
-                    if queue.fence(s, self.job_id, self.attempt) == "cancelling":
-                        self.on_cancel()
-                    fn(s)
-                    s.commit()
-                return
-            except OperationalError:
-                if i == tries - 1:
-                    raise
-                log.warning("database error writing progress of job %s; retrying", self.job_id, exc_info=True)
-                time.sleep(0.5 * 2**i)
+    def _write(self, fn: Callable[[Session], None], what: str) -> None:
+        """Fence, write, commit: one transaction, retried whole while the database is down."""
+        def attempt() -> None:
+            with self.sessions() as s:
+                if queue.fence(s, self.job_id, self.attempt) == "cancelling":
+                    self.on_cancel()
+                fn(s)
+                s.commit()
+
+        self.retry(attempt, what)

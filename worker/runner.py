@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 
 import engine
 from engine.spec import TrainSpec
-from engine.types import TrainError
+from engine.types import OOM_ADVICE, TrainError, is_disk_full, is_out_of_memory
 from service import queue
 from service.models import Adapter, Checkpoint, File, Job, new_id
 from service.views import fine_tuned_model_name
@@ -28,9 +28,6 @@ from worker.lease import LeaseKeeper
 from worker.reporter import DBReporter
 
 log = logging.getLogger(__name__)
-
-OOM_ADVICE = ("The job ran out of memory. Lower micro_batch_size, rollout.max_batch, rollout.max_new_tokens or "
-              "rollout.num_generations, keep gradient_checkpointing on, or use a smaller model.")
 
 
 @dataclass
@@ -73,9 +70,9 @@ def execute(ctx: WorkerContext, job: Job) -> str:
     log.info("job %s attempt %d: running on %s", job.id, job.attempt, ctx.worker_id)
     try:
         try:
-            spec, resume_from = _prepare(ctx, job, artifact_dir)
+            spec, resume_from = keeper.retry(lambda: _prepare(ctx, job, artifact_dir), "reading the job's files")
             reporter = DBReporter(ctx.sessions, job.id, job.attempt, artifact_dir=artifact_dir, total_steps=spec.steps,
-                                  on_cancel=keeper.cancelled.set)
+                                  retry=keeper.retry, on_cancel=keeper.cancelled.set)
             result = engine.train(spec, workdir=job_workdir(artifact_dir, job.id), reporter=reporter,
                                   should_stop=should_stop, resume_from=resume_from)
         except queue.LeaseLost:
@@ -83,17 +80,17 @@ def execute(ctx: WorkerContext, job: Job) -> str:
         except Exception as exc:  # noqa: BLE001 - every failure ends the job with a code
             if keeper.lost.is_set():
                 return _lease_lost(job)
-            code, message = _classify(exc, job.id)
-            return _end(ctx, job, "failed", error_code=code, error_message=message)
+            code, message = _classify(exc, job.id, artifact_dir)
+            return _end(ctx, keeper, job, "failed", error_code=code, error_message=message)
         if keeper.lost.is_set():
             return _lease_lost(job)
         if keeper.cancelled.is_set():
-            return _end(ctx, job, "cancelled")
+            return _end(ctx, keeper, job, "cancelled")
         if result.stopped:
             reason = ("Worker process lost its parent" if keeper.orphaned.is_set() and not ctx.shutdown.is_set()
                       else "Worker shutting down")
-            return _requeue(ctx, job, reason)
-        return _succeed(ctx, job, Path(result.adapter_dir), artifact_dir)
+            return _requeue(ctx, keeper, job, reason)
+        return _succeed(ctx, keeper, job, Path(result.adapter_dir), artifact_dir)
     finally:
         keeper.stop()
 
@@ -133,46 +130,58 @@ def _file_path(s: Session, file_id: str, param: str, artifact_dir: Path) -> Path
     return path
 
 
-def _classify(exc: BaseException, job_id: str) -> tuple[str, str]:
+def _classify(exc: BaseException, job_id: str, artifact_dir: Path) -> tuple[str, str]:
+    """(error_code, message) for a failed run: the engine's own code, memory, disk, or internal."""
     if isinstance(exc, TrainError):
         return exc.code, str(exc)
-    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+    if is_out_of_memory(exc):  # host MemoryError, torch's CPU allocator, torch.cuda.OutOfMemoryError
         return "out_of_memory", OOM_ADVICE
+    if is_disk_full(exc):
+        where = getattr(exc, "filename", None) or artifact_dir
+        return "disk_full", (f"No space left on device while writing {where}. Free space on the filesystem that "
+                             f"holds ARTIFACT_DIR ({artifact_dir}): checkpoints and adapters of old jobs are the "
+                             "usual bulk. Then create the job again.")
     log.exception("job %s: internal error", job_id)
     return "internal_error", (f"Internal error ({type(exc).__name__}: {str(exc)[:300]}). "
                               "Retry the job; if it fails again, report it with the job id.")
 
 
-def _end(ctx: WorkerContext, job: Job, status: str, **kw: Any) -> str:
-    try:
+def _end(ctx: WorkerContext, keeper: LeaseKeeper, job: Job, status: str, **kw: Any) -> str:
+    def write() -> str:
         with ctx.sessions() as s:
-            final = queue.finish(s, job.id, job.attempt, status, **kw)
+            return queue.finish(s, job.id, job.attempt, status, **kw)
+
+    try:
+        final = keeper.retry(write, f"recording the outcome ({status})")
     except queue.LeaseLost:
         return _lease_lost(job)
     log.info("job %s attempt %d: %s %s", job.id, job.attempt, final, kw.get("error_code") or "")
     return final
 
 
-def _requeue(ctx: WorkerContext, job: Job, reason: str) -> str:
-    try:
+def _requeue(ctx: WorkerContext, keeper: LeaseKeeper, job: Job, reason: str) -> str:
+    def write() -> bool:
         with ctx.sessions() as s:
-            requeued = queue.requeue(s, job.id, job.attempt, reason)
+            return queue.requeue(s, job.id, job.attempt, reason)
+
+    try:
+        requeued = keeper.retry(write, "handing the job back to the queue")
     except queue.LeaseLost:
         return _lease_lost(job)
     return "requeued" if requeued else "cancelled"
 
 
-def _succeed(ctx: WorkerContext, job: Job, adapter_dir: Path, artifact_dir: Path) -> str:
+def _succeed(ctx: WorkerContext, keeper: LeaseKeeper, job: Job, adapter_dir: Path, artifact_dir: Path) -> str:
     adapter_id = new_id("adapter")
     try:
         packed = pack_adapter(adapter_dir, artifact_dir, adapter_id)
     except Exception as exc:  # noqa: BLE001
-        code, message = _classify(exc, job.id)
-        return _end(ctx, job, "failed", error_code=code, error_message=message)
+        code, message = _classify(exc, job.id, artifact_dir)
+        return _end(ctx, keeper, job, "failed", error_code=code, error_message=message)
     adapter = Adapter(id=adapter_id, project=job.project, job_id=job.id, name=fine_tuned_model_name(job),
                       base_model=job.model, path=packed.path, bytes=packed.bytes, sha256=packed.sha256,
                       manifest=packed.manifest)
-    final = _end(ctx, job, "succeeded", adapter=adapter)
+    final = _end(ctx, keeper, job, "succeeded", adapter=adapter)
     if final != "succeeded":  # cancelled at the last moment, or lease lost: the tarball is nobody's
         (artifact_dir / packed.path).unlink(missing_ok=True)
     return final

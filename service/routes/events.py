@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
-from sqlalchemy import select
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
 from service import crud
 from service.auth import CurrentKey
-from service.deps import ReleasingRoute, SessionDep, SettingsDep
+from service.deps import ReadSessionDep, ReleasingRoute, SettingsDep, json_response
 from service.errors import not_found
 from service.models import Job
 from service.schemas import FineTuningJobCheckpoint, FineTuningJobEvent, ListPage, StepMetrics
@@ -35,47 +35,35 @@ def _job(session: Session, project: str, job_id: str) -> Job:
 
 @router.get("/events", response_model=ListPage[FineTuningJobEvent],
             responses={200: {"content": {"text/event-stream": {}}}})
-def list_events(job_id: str, request: Request, key: CurrentKey, session: SessionDep, settings: SettingsDep,
-                after: str | None = None, limit: int = Query(20, ge=1, le=crud.MAX_LIMIT)):  # type: ignore[no-untyped-def]
-    _job(session, key.project, job_id)
+async def list_events(job_id: str, request: Request, key: CurrentKey,  # type: ignore[no-untyped-def]
+                      settings: SettingsDep, after: str | None = None,
+                      limit: int = Query(20, ge=1, le=crud.MAX_LIMIT)):
+    """Polled like the job itself: reads on the event loop (service.reads)."""
+    reads = request.app.state.reads
+    if await reads.job(key.project, job_id) is None:
+        raise not_found("fine-tuning job", job_id, "fine_tuning_job_id")
     if "text/event-stream" in request.headers.get("accept", ""):
-        session.rollback()  # the stream polls with its own short sessions; free this connection now
         start = parse_event_id(request.headers.get("last-event-id")) or 0
-        stream = _stream(request, request.app.state.sessionmaker, job_id, start, settings.sse_poll_seconds,
-                         settings.sse_keepalive_seconds)
+        stream = _stream(request, reads, job_id, start, settings.sse_poll_seconds, settings.sse_keepalive_seconds)
         return StreamingResponse(stream, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    rows, more = crud.list_events_desc(session, job_id, before=parse_event_id(after), limit=limit)
+    rows, more = await reads.events_desc(job_id, before=parse_event_id(after), limit=limit)
     data = [event_view(e) for e in rows]
-    return ListPage(data=data, has_more=more, first_id=data[0].id if data else None,
-                    last_id=data[-1].id if data else None)
+    return json_response(ListPage(data=data, has_more=more, first_id=data[0].id if data else None,
+                                  last_id=data[-1].id if data else None))
 
 
-def _poll(make_session: sessionmaker[Session], job_id: str, after: int) -> tuple[list[str], int, str | None]:
-    """SSE frames for events after ``after``, the new cursor, and the job's status."""
-    with make_session() as session:
-        # status first: the worker commits its last event with the terminal status, so a terminal
-        # status read here means the events query below sees every event (also under READ COMMITTED)
-        status = session.scalar(select(Job.status).where(Job.id == job_id))
-        events = crud.events_since(session, job_id, after)
-        frames = []
-        for e in events:
-            view = event_view(e)
-            frames.append(f"id: {view.id}\nevent: {e.type}\ndata: {view.model_dump_json()}\n\n")
-            after = e.id
-        session.rollback()
-    return frames, after, status
-
-
-async def _stream(request: Request, make_session: sessionmaker[Session], job_id: str, after: int,
-                  poll_s: float, keepalive_s: float) -> AsyncIterator[str]:
+async def _stream(request: Request, reads: Any, job_id: str, after: int, poll_s: float,
+                  keepalive_s: float) -> AsyncIterator[str]:
     yield f"retry: {int(poll_s * 2000)}\n\n"
     idle = 0.0
     while True:
-        frames, after, status = await anyio.to_thread.run_sync(_poll, make_session, job_id, after)
-        for frame in frames:
-            yield frame
-        if frames:
+        status, events = await reads.status_and_events_since(job_id, after)
+        for e in events:
+            view = event_view(e)
+            yield f"id: {view.id}\nevent: {e.type}\ndata: {view.model_dump_json()}\n\n"
+            after = e.id
+        if events:
             idle = 0.0
             continue
         if status in TERMINAL:  # only when nothing new was left to send
@@ -91,7 +79,7 @@ async def _stream(request: Request, make_session: sessionmaker[Session], job_id:
 
 
 @router.get("/metrics", response_model=ListPage[StepMetrics])
-def job_metrics(job_id: str, key: CurrentKey, session: SessionDep, after_step: int | None = None,
+def job_metrics(job_id: str, key: CurrentKey, session: ReadSessionDep, after_step: int | None = None,
                 limit: int = Query(1000, ge=1, le=crud.MAX_LIMIT)) -> ListPage[StepMetrics]:
     _job(session, key.project, job_id)
     rows, more = crud.latest_metrics(session, job_id, after_step=after_step, limit=limit)
@@ -102,7 +90,7 @@ def job_metrics(job_id: str, key: CurrentKey, session: SessionDep, after_step: i
 
 
 @router.get("/checkpoints", response_model=ListPage[FineTuningJobCheckpoint])
-def list_checkpoints(job_id: str, key: CurrentKey, session: SessionDep, after: str | None = None,
+def list_checkpoints(job_id: str, key: CurrentKey, session: ReadSessionDep, after: str | None = None,
                      limit: int = Query(10, ge=1, le=crud.MAX_LIMIT)) -> ListPage[FineTuningJobCheckpoint]:
     job = _job(session, key.project, job_id)
     rows, more = crud.list_checkpoints(session, job_id, after=after, limit=limit)

@@ -6,12 +6,12 @@ import json
 import logging
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Query
+from fastapi import APIRouter, Header, Query, Request, Response
 from sqlalchemy.orm import Session
 
 from service import crud
 from service.auth import CurrentKey
-from service.deps import ReleasingRoute, SessionDep, SettingsDep
+from service.deps import ReadSessionDep, ReleasingRoute, SessionDep, SettingsDep, json_response
 from service.errors import APIError, not_found
 from service.jobspec import build_spec
 from service.models import Job, new_id
@@ -72,7 +72,7 @@ def create_job(body: JobCreate, key: CurrentKey, session: SessionDep, settings: 
 
 
 @router.get("", response_model=ListPage[FineTuningJob])
-def list_jobs(key: CurrentKey, session: SessionDep, after: str | None = None,
+def list_jobs(key: CurrentKey, session: ReadSessionDep, after: str | None = None,
               limit: int = Query(20, ge=1, le=crud.MAX_LIMIT), status: str | None = None) -> ListPage[FineTuningJob]:
     if status is not None and status not in STATUSES:
         raise APIError(422, f"Invalid value for 'status': {status!r}; use one of {', '.join(STATUSES)}.",
@@ -84,11 +84,12 @@ def list_jobs(key: CurrentKey, session: SessionDep, after: str | None = None,
 
 
 @router.get("/{job_id}", response_model=FineTuningJob)
-def get_job(job_id: str, key: CurrentKey, session: SessionDep) -> FineTuningJob:
-    job = crud.get_job(session, key.project, job_id)
+async def get_job(job_id: str, key: CurrentKey, request: Request) -> Response:
+    """The request clients poll: one read on the event loop (service.reads)."""
+    job = await request.app.state.reads.job(key.project, job_id)
     if job is None:
         raise not_found("fine-tuning job", job_id, "fine_tuning_job_id")
-    return job_view(job)
+    return json_response(job_view(job))
 
 
 @router.post("/{job_id}/cancel", response_model=FineTuningJob)
