@@ -38,8 +38,8 @@ from engine.rl.aqn import apply_noise, clear_noise, sigma_for_step
 from engine.rl.loss import effective_mask, loss_denominator, policy_loss
 from engine.spec import TrainSpec
 from engine.train_batch import DataCursor, RolloutBatch, build_batch, encode_prompts
-from engine.types import OOM_ADVICE, Reporter, TrainError, TrainResult, is_disk_full, is_out_of_memory
-
+from engine.types import (OOM_ADVICE, Reporter, TrainError, TrainResult, exception_chain, is_disk_full,
+                          is_out_of_memory)
 
 
 def train(spec: TrainSpec, *, workdir: Path, reporter: Reporter, should_stop: Callable[[], bool],
@@ -57,8 +57,7 @@ def train(spec: TrainSpec, *, workdir: Path, reporter: Reporter, should_stop: Ca
         if is_out_of_memory(exc):
             raise TrainError("out_of_memory", OOM_ADVICE) from exc
         if is_disk_full(exc):
-            where = next((e.filename for e in (exc, exc.__cause__, exc.__context__) if getattr(e, "filename", None)),
-                         workdir)
+            where = next((e.filename for e in exception_chain(exc) if getattr(e, "filename", None)), workdir)
             raise TrainError("disk_full", f"No space left on device while writing {where}. Free space on the "
                                           f"filesystem that holds {workdir} (checkpoints and adapters of old jobs are "
                                           "the usual bulk), then run the job again; the last complete checkpoint "

@@ -65,7 +65,8 @@ _OOM_TEXT = ("out of memory", "can't allocate memory", "cannot allocate memory")
 _DISK_FULL_TEXT = ("no space left on device", "storagefull", "disk quota exceeded")
 
 
-def _chain(exc: BaseException) -> Iterator[BaseException]:
+def exception_chain(exc: BaseException) -> Iterator[BaseException]:
+    """exc, then its cause or context, and so on (each once)."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -75,7 +76,7 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
 
 def is_out_of_memory(exc: BaseException) -> bool:
     """MemoryError, torch.cuda.OutOfMemoryError, or an allocator's ENOMEM, anywhere in the chain."""
-    for e in _chain(exc):
+    for e in exception_chain(exc):
         if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
             return True
         if isinstance(e, OSError) and e.errno == errno.ENOMEM:
@@ -87,7 +88,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 def is_disk_full(exc: BaseException) -> bool:
     """ENOSPC or EDQUOT anywhere in the chain (or the text libraries that wrap them use)."""
-    for e in _chain(exc):
+    for e in exception_chain(exc):
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
         if any(t in str(e).lower() for t in _DISK_FULL_TEXT):
