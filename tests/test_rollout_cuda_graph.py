@@ -51,8 +51,8 @@ def _same(a, b, atol=1e-4):
         torch.testing.assert_close(x.logprobs, y.logprobs, atol=atol, rtol=0)
 
 
-@pytest.mark.parametrize("quantization", ["nvfp4", "bf16"])
-def test_cpu_engine_matches_eager_greedy_with_stops(quantization):
+@pytest.mark.parametrize(("quantization", "sync_every"), [("nvfp4", 16), ("bf16", 1), ("bf16", 3)])
+def test_cpu_engine_matches_eager_greedy_with_stops(quantization, sync_every):
     m = _model(quantization)
     tok = NumberTokenizer()
     prompts = _prompts(5)
@@ -61,7 +61,7 @@ def test_cpu_engine_matches_eager_greedy_with_stops(quantization):
     stop = ref[1].text.split()[5]  # a stop string
     params = SamplingParams(max_new_tokens=10, temperature=0.0, eos_token_ids=[eos], stop=[f" {stop} "])
     want = generate(m, tok, prompts, params, max_batch=4)
-    eng = GraphRollout(m, max_batch=4, max_len=64)
+    eng = GraphRollout(m, max_batch=4, max_len=64, sync_every=sync_every)
     got = eng.generate(tok, prompts, params, max_batch=4)
     assert got[0].finish_reason == "stop" and len(got[0].token_ids) <= 4
     assert any(c.finish_reason == "length" for c in got)
@@ -92,12 +92,17 @@ def test_cpu_engine_cancel_and_length_checks():
 
     def stop():
         calls.append(1)
-        return len(calls) > 3
+        return len(calls) > 2
 
-    eng = GraphRollout(m, max_batch=2, max_len=32)
+    # should_stop is polled before each sub-batch and each time the host reads the tokens
+    # (every 2 steps here): the 1st sub-batch (prompts 2 and 4, the shortest) is cancelled
+    # after its 2nd read, with 4 tokens each; the other prompts never start.
+    eng = GraphRollout(m, max_batch=2, max_len=32, sync_every=2)
     out = eng.generate(tok, _prompts(5), SamplingParams(max_new_tokens=6, temperature=0.0, eos_token_ids=[10**6]),
                        should_stop=stop)
-    assert [c.finish_reason for c in out].count("cancelled") >= 3
+    assert [c.finish_reason for c in out] == ["cancelled"] * 5
+    assert [len(c.token_ids) for c in out] == [0, 0, 4, 0, 4]
+    assert [len(c.logprobs) for c in out] == [0, 0, 4, 0, 4]
     with pytest.raises(ValueError, match="max_len"):
         eng.generate(tok, [[1] * 30], SamplingParams(max_new_tokens=8))
 

@@ -76,10 +76,11 @@ class Rows:
         self.texts: list[str | None] = [None] * n
         self.finish: list[str | None] = [None] * n
 
-    def record(self, nxt: torch.Tensor, lp: torch.Tensor) -> list[int]:
+    def record(self, nxt: torch.Tensor | list[int], lp: torch.Tensor | list[float]) -> list[int]:
         """Append one sampled token per live row; returns the positions j of the rows that go on."""
         keep = []
-        for j, (t, l) in enumerate(zip(nxt.tolist(), lp.tolist())):
+        nxt, lp = (v.tolist() if isinstance(v, torch.Tensor) else v for v in (nxt, lp))
+        for j, (t, l) in enumerate(zip(nxt, lp)):
             r = self.live[j]
             self.toks[r].append(t)
             self.lps[r].append(l)

@@ -10,8 +10,11 @@ changes is how a decode token is computed:
   a smaller bucket; then the live rows are moved to the front and decoding continues there.
 - the step reads its inputs from static buffers (tokens, positions, write column, key mask) and
   advances them itself, so a captured graph replays step after step; one graph per
-  (bucket, attention length rounded up to ``len_bucket``). Sampling stays eager (same
-  generator use as the eager sampler).
+  (bucket, attention length rounded up to ``len_bucket``). Sampling stays eager and on the
+  GPU; the host reads the sampled tokens once every ``sync_every`` steps (eos, stop strings,
+  length, ``should_stop``), so the GPU does not wait for the host in between. Rows that end
+  inside such a window are sampled on to its end and the extra tokens dropped. With a CPU
+  generator the host reads every step (same generator use as the eager sampler).
 - q/k/v and gate/up run as one GEMM each: NVFP4 weights repacked once into one fused kernel
   operand, whose row ranges become the members' only copy (NVFP4Linear.make_resident: the
   compressed-tensors buffers are dropped, training reads the same operand); bf16 weights become
@@ -38,7 +41,7 @@ from torch import nn
 from engine.lora import LoRALinear
 from engine.model.cache import KVCache
 from engine.quant.base import FrozenLinear
-from engine.rollout.fused_ops import LoraTerm, pick_ops
+from engine.rollout.fused_ops import LoraTerm, attention_mask, pick_ops
 from engine.rollout.batching import Rows, check_prompts, eos_ids, left_pad, sub_batches
 from engine.rollout.params import Completion, SamplingParams
 from engine.rollout.sampler import sample_next
@@ -202,11 +205,12 @@ class GraphRollout:
     """The decode engine of one model. Build once (``engine_for``); ``generate`` per rollout."""
 
     def __init__(self, model: nn.Module, *, max_batch: int = 64, max_len: int = 2048, use_graphs: bool | None = None,
-                 fused_ops: bool | None = None, len_bucket: int = 256) -> None:
+                 fused_ops: bool | None = None, len_bucket: int = 256, sync_every: int = 16) -> None:
         self.model = model
         cfg = model.config
         self.cfg, self.device, self.dtype = cfg, model.device, model.dtype
         self.max_batch, self.max_len, self.len_bucket = max_batch, max_len, len_bucket
+        self.sync_every = max(1, sync_every)
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         self.ops = pick_ops(self.device, self.dtype, qk_norm=cfg.qk_norm, head_dim=cfg.head_dim, fused=fused_ops)
         import engine.quant.nvfp4 as nvfp4
@@ -266,12 +270,13 @@ class GraphRollout:
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)  # (B, D)
         x = self.model.model.embed_tokens(self.tok[:b])  # (B, H)
         x, h = ops.add_rmsnorm(x, None, None, None, self.layers[0].w_in, eps)
+        mask = attention_mask(self.valid, b, heads // kvh, s, self.dtype)
         n = len(self.layers)
         for i, L in enumerate(self.layers):
             q = ops.qkv_rope_cache(L.qkv.base(h), L.qkv.bias, L.qkv.lora_term(ops, h), cos, sin, self.kc[i],
                                    self.vc[i], self.slot, heads=heads, kv_heads=kvh, d=d, q_norm=L.q_norm,
                                    k_norm=L.k_norm)
-            o = ops.decode_attention(q, self.kc[i], self.vc[i], self.valid, s)  # (B, heads * D)
+            o = ops.decode_attention(q, self.kc[i], self.vc[i], mask)  # (B, heads * D)
             x, h = ops.add_rmsnorm(x, L.o.base(o), L.o.bias, L.o.lora_term(ops, o), L.w_post, eps)
             a = ops.silu_mul(L.gu.base(h), L.gu.bias, L.gu.lora_term(ops, h))
             w_next = self.layers[i + 1].w_in if i + 1 < n else self.w_final
@@ -329,6 +334,14 @@ class GraphRollout:
                     new += 1
         return new
 
+    def _sync_every(self, generator: torch.Generator | None) -> int:
+        """Decode steps between two reads of the sampled tokens by the host: 1 with a CPU
+        generator on a GPU model (sampling reads every step anyway, and the eager sampler's use
+        of the generator is kept), else ``sync_every``."""
+        if generator is not None and generator.device.type == "cpu" and self.device.type == "cuda":
+            return 1
+        return self.sync_every
+
     def _compact(self, rows: torch.Tensor) -> None:
         """Move cache rows ``rows`` to the front, in that order."""
         n = rows.numel()
@@ -361,35 +374,42 @@ class GraphRollout:
         t1 = _now(dev)
         self.stats.prefill_s += t1 - t0
         rows = Rows(tokenizer, params, eos, n)
-        at = None  # cache rows of the live sequences when they are not 0..len(live)-1
+        # Sampled entry j of a step is cache row at[j]; cols[i] is the entry of live row i.
+        # Tokens stay on the GPU for ``every`` steps, then are recorded in one copy.
+        every = self._sync_every(generator)
+        at, cols, pending = list(range(n)), list(range(n)), []
         cancelled = False
-        for _ in range(params.max_new_tokens):
+        for t in range(params.max_new_tokens):
             nxt, lp = sample_next(logits, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                                   generator=generator)
-            keep = rows.record(nxt, lp)
-            if not keep:
-                break
-            if stop():
-                cancelled = True
-                rows.cancel(keep)
-                break
-            if len(keep) < len(rows.live):
-                sel = torch.tensor(keep, device=dev)
-                nxt = nxt.index_select(0, sel)
-                at = sel if at is None else at.index_select(0, sel)
-                rows.live = [rows.live[j] for j in keep]
-                nb = _bucket(len(rows.live), self.max_batch)
-                if nb < b:
-                    self._compact(at)
-                    at, b = None, nb
-            if at is None:
-                self.tok[:len(rows.live)].copy_(nxt)
+            pending.append((nxt, lp))
+            if len(pending) == every or t + 1 == params.max_new_tokens:
+                cols = _record(rows, pending, cols)
+                pending = []
+                if not rows.live:
+                    break
+                if stop():
+                    cancelled = True
+                    rows.cancel(range(len(rows.live)))
+                    break
+                if len(cols) < len(at):  # rows ended: sample only the live ones from now on
+                    sel = torch.tensor(cols, device=dev)
+                    nxt = nxt.index_select(0, sel)
+                    at, cols = [at[c] for c in cols], list(range(len(cols)))
+                    nb = _bucket(len(at), self.max_batch)
+                    if nb < b:
+                        self._compact(torch.tensor(at, device=dev))
+                        at, b = list(range(len(at))), nb
+            dense = at == list(range(len(at)))
+            if dense:
+                self.tok[:len(at)].copy_(nxt)
             else:
-                self.tok.index_copy_(0, at, nxt)
+                rows_at = torch.tensor(at, device=dev)
+                self.tok.index_copy_(0, rows_at, nxt)
             self._run_step(b, slot)
             slot += 1
             self.stats.steps += 1
-            logits = self.logits[:len(rows.live)] if at is None else self.logits.index_select(0, at)
+            logits = self.logits[:len(at)] if dense else self.logits.index_select(0, rows_at)
         self.stats.decode_s += _now(dev) - t1
         outs = rows.completions(prompts)
         self.stats.tokens += sum(len(c.token_ids) for c in outs)
@@ -415,6 +435,20 @@ class GraphRollout:
                                    lambda batch: self._generate_batch(tokenizer, batch, params, eos, generator, stop))
         finally:
             model.train(was_training)
+
+
+def _record(rows: Rows, pending: list[tuple[torch.Tensor, torch.Tensor]], cols: list[int]) -> list[int]:
+    """Record a window of sampled steps (one host copy); live row i reads entry cols[i] of
+    each step. Returns the entries of the rows still live."""
+    toks = torch.stack([p[0] for p in pending]).tolist()
+    lps = torch.stack([p[1].float() for p in pending]).tolist()
+    for tk, lp in zip(toks, lps):
+        keep = rows.record([tk[c] for c in cols], [lp[c] for c in cols])
+        if len(keep) < len(cols):
+            rows.live, cols = [rows.live[j] for j in keep], [cols[j] for j in keep]
+        if not cols:
+            break
+    return cols
 
 
 def _now(device: torch.device) -> float:

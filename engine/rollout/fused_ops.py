@@ -57,15 +57,19 @@ def _proj(y: torch.Tensor, bias: torch.Tensor | None, lora: LoraTerm | None) -> 
     return y
 
 
-def decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, valid: torch.Tensor, s: int) -> torch.Tensor:
-    """q (B, heads, D) over cache columns [0, s) where valid -> (B, heads * D), grouped heads as
-    one SDPA call (the n_rep query heads of a kv head are its query rows)."""
+def attention_mask(valid: torch.Tensor, b: int, n_rep: int, s: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive key mask of a decode step, (B, 1, n_rep, S): 0 where a cache column is
+    valid, -inf elsewhere. The same for every layer, so a step builds it once."""
+    mask = torch.zeros(b, 1, n_rep, s, dtype=dtype, device=valid.device)
+    return mask.masked_fill_(~valid[:b, None, None, :s], float("-inf"))
+
+
+def decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q (B, heads, D) over the cache columns of ``mask`` (``attention_mask``) -> (B, heads * D),
+    grouped heads as one SDPA call (the n_rep query heads of a kv head are its query rows)."""
     b, heads, d = q.shape
-    kvh = kc.shape[1]
-    n_rep = heads // kvh
-    mask = torch.zeros(b, 1, n_rep, s, dtype=q.dtype, device=q.device)
-    mask.masked_fill_(~valid[:b, None, None, :s], float("-inf"))  # (B, 1, n_rep, S)
-    o = F.scaled_dot_product_attention(q.view(b, kvh, n_rep, d), kc[:b, :, :s], vc[:b, :, :s], attn_mask=mask)
+    kvh, s = kc.shape[1], mask.shape[-1]
+    o = F.scaled_dot_product_attention(q.view(b, kvh, heads // kvh, d), kc[:b, :, :s], vc[:b, :, :s], attn_mask=mask)
     return o.reshape(b, heads * d)
 
 
@@ -92,8 +96,8 @@ class TorchOps:
         vc[:b].index_copy_(2, slot, v[:, :, None])
         return q
 
-    def decode_attention(self, q, kc, vc, valid, s: int) -> torch.Tensor:
-        return decode_attention(q, kc, vc, valid, s)
+    def decode_attention(self, q, kc, vc, mask) -> torch.Tensor:
+        return decode_attention(q, kc, vc, mask)
 
     def add_rmsnorm(self, x, y, bias, lora, w, eps: float):
         if y is not None:
@@ -156,8 +160,8 @@ class CudaOps:
         self._check(err, "fused q/k/v epilogue")
         return q
 
-    def decode_attention(self, q, kc, vc, valid, s: int) -> torch.Tensor:
-        return decode_attention(q, kc, vc, valid, s)
+    def decode_attention(self, q, kc, vc, mask) -> torch.Tensor:
+        return decode_attention(q, kc, vc, mask)
 
     def add_rmsnorm(self, x, y, bias, lora, w, eps: float):
         b, h = x.shape
