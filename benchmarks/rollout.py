@@ -203,7 +203,7 @@ def run_config(model, method: str, size: str, r: int, b: int, args, log) -> dict
         row = {"size": size, "method": method, "rank": r, "batch": b, "prompt": args.prompt, "gen": args.gen,
                "tokens": sum(c.num_tokens for c in out), "wall_s": wall, "prefill_s": st.prefill_s,
                "decode_s": st.decode_s, "steps": st.steps, "captured_in_run": st.graphs_captured,
-               "ops": st.ops, "graphs": st.graphs}
+               "ops": st.ops, "attention": st.attention, "graphs": st.graphs}
         row["tok_s"] = row["tokens"] / wall
         row["decode_tok_s"] = b * st.steps / st.decode_s if st.decode_s else 0.0
         row["ms_per_step"] = 1e3 * st.decode_s / max(1, st.steps)

@@ -23,7 +23,8 @@ changes is how a decode token is computed:
   members' B's (scaling folded in), refreshed from the live parameters at the start of every
   call, like the RMSNorm weights with their AQN noise (no re-quantization).
 - the element-wise work between GEMMs (bias and LoRA epilogues, residual add + RMSNorm,
-  RoPE + cache write, SiLU * up) is one fused kernel per group on Hopper (fused_ops.CudaOps).
+  RoPE + cache write, SiLU * up) is one fused kernel per group on Hopper (fused_ops.CudaOps);
+  attention is one split-key kernel per layer (engine.rollout.attention), SDPA elsewhere.
 
 On CPU (tests) the same code runs eagerly with TorchOps and dense fused weights.
 """
@@ -41,7 +42,8 @@ from torch import nn
 from engine.lora import LoRALinear
 from engine.model.cache import KVCache
 from engine.quant.base import FrozenLinear
-from engine.rollout.fused_ops import LoraTerm, attention_mask, pick_ops
+from engine.rollout.attention import pick_attention
+from engine.rollout.fused_ops import LoraTerm, pick_ops
 from engine.rollout.batching import Rows, check_prompts, eos_ids, left_pad, sub_batches
 from engine.rollout.params import Completion, SamplingParams
 from engine.rollout.sampler import sample_next
@@ -197,6 +199,7 @@ class RolloutStats:
     tokens: int = 0
     graphs_captured: int = 0
     ops: str = ""
+    attention: str = ""
     graphs: bool = False
     extra: dict = field(default_factory=dict)
 
@@ -213,6 +216,8 @@ class GraphRollout:
         self.sync_every = max(1, sync_every)
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         self.ops = pick_ops(self.device, self.dtype, qk_norm=cfg.qk_norm, head_dim=cfg.head_dim, fused=fused_ops)
+        self.attention = pick_attention(self.device, self.dtype, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+                                        head_dim=cfg.head_dim, max_batch=max_batch)
         import engine.quant.nvfp4 as nvfp4
 
         use_kernels = False
@@ -241,7 +246,7 @@ class GraphRollout:
             self.logits = torch.zeros(max_batch, cfg.vocab_size, dtype=torch.float32, device=self.device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self.stats = RolloutStats(ops=self.ops.name, graphs=self.use_graphs)
+        self.stats = RolloutStats(ops=self.ops.name, attention=self.attention.name, graphs=self.use_graphs)
 
     # -- refresh per call: LoRA weights, norm weights + AQN noise ----------------------------
     def _norm_weight(self, norm: nn.Module, out: torch.Tensor) -> None:
@@ -270,13 +275,13 @@ class GraphRollout:
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)  # (B, D)
         x = self.model.model.embed_tokens(self.tok[:b])  # (B, H)
         x, h = ops.add_rmsnorm(x, None, None, None, self.layers[0].w_in, eps)
-        mask = attention_mask(self.valid, b, heads // kvh, s, self.dtype)
+        self.attention.begin_step(self.valid, b, heads // kvh, s, self.dtype)
         n = len(self.layers)
         for i, L in enumerate(self.layers):
             q = ops.qkv_rope_cache(L.qkv.base(h), L.qkv.bias, L.qkv.lora_term(ops, h), cos, sin, self.kc[i],
                                    self.vc[i], self.slot, heads=heads, kv_heads=kvh, d=d, q_norm=L.q_norm,
                                    k_norm=L.k_norm)
-            o = ops.decode_attention(q, self.kc[i], self.vc[i], mask)  # (B, heads * D)
+            o = self.attention(q, self.kc[i], self.vc[i], self.valid, s)  # (B, heads * D)
             x, h = ops.add_rmsnorm(x, L.o.base(o), L.o.bias, L.o.lora_term(ops, o), L.w_post, eps)
             a = ops.silu_mul(L.gu.base(h), L.gu.bias, L.gu.lora_term(ops, h))
             w_next = self.layers[i + 1].w_in if i + 1 < n else self.w_final
@@ -425,7 +430,8 @@ class GraphRollout:
         stop = should_stop or (lambda: False)
         was_training = model.training
         model.eval()
-        self.stats = RolloutStats(ops=self.ops.name, graphs=self.use_graphs, graphs_captured=0)
+        self.stats = RolloutStats(ops=self.ops.name, attention=self.attention.name, graphs=self.use_graphs,
+                                  graphs_captured=0)
         if getattr(self, "graph_error", None):
             self.stats.extra["graph_error"] = self.graph_error
         try:

@@ -1,0 +1,142 @@
+"""Decode attention of the graph engine: one query token per row over the static KV cache.
+
+``KernelAttention`` runs decode_attention.cu (split over key tiles so that a batch-1 step
+fills the GPU, fp32 online softmax, deterministic combine); ``SdpaAttention`` is torch's
+scaled_dot_product_attention with an additive mask built once per step. Both take the step's
+queries (B, heads, D), one layer's caches (B_max, kv heads, S_max, D), the valid-column mask
+(B_max, S_max) and the attention length s, and return (B, heads * D). ``pick_attention`` gives
+the kernel on sm_90 with bf16, head size 64 or 128 and at most 8 query heads per kv head, while
+rows x kv heads <= KERNEL_GROUPS (QERL_DECODE_ATTENTION=sdpa: never; =kernel: every batch), SDPA
+otherwise. The kernel wins where a step has few (row, kv head) pairs: SDPA then runs a handful of
+blocks that walk the keys one tile after another, the kernel splits the keys over the GPU.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+import os
+import subprocess
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from engine.rollout.fused_ops import attention_mask, decode_attention
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("decode_attention.cu")
+FLAGS = ["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC"]
+KEYS = 64  # keys per tile (kKeys in the kernel)
+MAX_REP = 8
+KERNEL_GROUPS = 16  # the kernel while rows x kv heads <= this: it measured faster there, SDPA above
+TARGET_BLOCKS = 1056  # eight blocks per SM of an H100 / H200: enough loads in flight
+MAX_SPLITS = 64  # kMaxSplits in the kernel
+
+
+def splits_for(rows: int, kv_heads: int, s: int) -> tuple[int, int]:
+    """(splits, tiles per split): enough blocks to fill the GPU, at most MAX_SPLITS, none empty."""
+    tiles = -(-s // KEYS)
+    want = min(tiles, MAX_SPLITS, max(1, -(-TARGET_BLOCKS // (rows * kv_heads))))
+    per = -(-tiles // want)
+    return -(-tiles // per), per
+
+
+class SdpaAttention:
+    name = "sdpa"
+
+    def __init__(self) -> None:
+        self._mask: tuple | None = None
+
+    def begin_step(self, valid: torch.Tensor, b: int, n_rep: int, s: int, dtype: torch.dtype) -> None:
+        """Build the step's mask (shared by every layer)."""
+        self._mask = attention_mask(valid, b, n_rep, s, dtype)
+
+    def __call__(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, valid: torch.Tensor, s: int) -> torch.Tensor:
+        return decode_attention(q, kc, vc, self._mask)
+
+
+class KernelAttention:
+    name = "kernel"
+
+    def __init__(self, lib: ctypes.CDLL, max_batch: int, kv_heads: int, device: torch.device) -> None:
+        self.lib = lib
+        self.counters = torch.zeros(max_batch * kv_heads, dtype=torch.int32, device=device)
+
+    def begin_step(self, valid: torch.Tensor, b: int, n_rep: int, s: int, dtype: torch.dtype) -> None:
+        pass
+
+    def __call__(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, valid: torch.Tensor, s: int) -> torch.Tensor:
+        b, heads, d = q.shape
+        kvh = kc.shape[1]
+        n_rep = heads // kvh
+        if kc.stride(3) != 1 or kc.stride(2) != d or kc.stride() != vc.stride() or valid.stride(1) != 1:
+            raise ValueError("decode attention needs caches laid out (rows, kv heads, columns, dim), dim innermost")
+        q = q.contiguous()
+        splits, per = splits_for(b, kvh, s)
+        out = torch.empty(b, heads * d, dtype=q.dtype, device=q.device)
+        ws = torch.empty(splits * b * heads * (d + 2) if splits > 1 else 1, dtype=torch.float32, device=q.device)
+        err = self.lib.qerl_decode_attention(
+            q.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.stride(0), kc.stride(1), valid.data_ptr(), valid.stride(0),
+            out.data_ptr(), ws.data_ptr(), self.counters.data_ptr(), b, kvh, n_rep, d, s, splits, per,
+            ctypes.c_float(math.log2(math.e) / math.sqrt(d)), torch.cuda.current_stream(q.device).cuda_stream)
+        if err != 0:
+            raise RuntimeError(f"decode attention failed: CUDA error {err} "
+                               f"({self.lib.qerl_decode_attention_error_string(err).decode()})")
+        return out
+
+
+_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+_SIGNATURE = [_P, _P, _P, _L, _L, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P]
+
+
+@lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    from engine.kernels._build import compile_cached
+
+    try:
+        lib = ctypes.CDLL(str(compile_cached(SOURCE, "qerl_decode_attention", FLAGS, "decode attention kernel")))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("decode attention kernel unavailable, using SDPA: %s", exc)
+        return None
+    lib.qerl_decode_attention.argtypes = _SIGNATURE
+    lib.qerl_decode_attention.restype = ctypes.c_int
+    lib.qerl_decode_attention_error_string.argtypes = [_I]
+    lib.qerl_decode_attention_error_string.restype = ctypes.c_char_p
+    return lib
+
+
+def kernel_supported(device: torch.device, dtype: torch.dtype, *, heads: int, kv_heads: int, head_dim: int) -> bool:
+    return (device.type == "cuda" and dtype == torch.bfloat16 and head_dim in (64, 128) and heads % kv_heads == 0
+            and heads // kv_heads <= MAX_REP and torch.cuda.get_device_capability(device) == (9, 0))
+
+
+class DecodeAttention:
+    """Per step, the kernel while rows x kv heads <= ``kernel_groups`` (where it measured faster
+    than SDPA: benchmarks/decode_attention.py), SDPA above."""
+
+    def __init__(self, kernel: KernelAttention | None, kv_heads: int, kernel_groups: int = KERNEL_GROUPS) -> None:
+        self.kernel, self.sdpa = kernel, SdpaAttention()
+        self.kernel_rows = kernel_groups // kv_heads
+        self.name = "sdpa" if kernel is None or self.kernel_rows < 1 else f"kernel (<= {self.kernel_rows} rows) + sdpa"
+        self._use: KernelAttention | SdpaAttention = self.sdpa
+
+    def begin_step(self, valid: torch.Tensor, b: int, n_rep: int, s: int, dtype: torch.dtype) -> None:
+        self._use = self.kernel if self.kernel is not None and b <= self.kernel_rows else self.sdpa
+        self._use.begin_step(valid, b, n_rep, s, dtype)
+
+    def __call__(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, valid: torch.Tensor, s: int) -> torch.Tensor:
+        return self._use(q, kc, vc, valid, s)
+
+
+def pick_attention(device: torch.device, dtype: torch.dtype, *, heads: int, kv_heads: int, head_dim: int,
+                   max_batch: int) -> DecodeAttention:
+    """The kernel where it applies (unless QERL_DECODE_ATTENTION=sdpa), SDPA otherwise."""
+    choice = os.environ.get("QERL_DECODE_ATTENTION", "auto")
+    kernel = None
+    if choice != "sdpa" and kernel_supported(device, dtype, heads=heads, kv_heads=kv_heads, head_dim=head_dim):
+        lib = _library()
+        if lib is not None:
+            kernel = KernelAttention(lib, max_batch, kv_heads, device)
+    return DecodeAttention(kernel, kv_heads, max_batch * kv_heads if choice == "kernel" else KERNEL_GROUPS)
