@@ -29,8 +29,23 @@
 // so 64 weight rows share one MMA per k16 step for up to 256 activation rows.
 //
 // Large M: a dequantizing pass writes bf16 weights and cuBLAS does the product.
+//
+// Epilogue (small-M kernel): the output can get a bias and a LoRA delta on the way out, in the
+// eager decoder's order: the product rounded to bf16, + bias in bf16, + delta in fp32
+// (delta[row, col] = s[row, m*r .. m*r+r-1] . b[:, col], m the column's member), rounded once more.
+//
+// Programmatic dependent launch (PDL): the kernels are launched with programmatic stream
+// serialization (unless QERL_PDL=0 at launch time), so their blocks may start while the previous
+// kernel of the stream drains. A kernel reads only weights and scales (constant) before
+// griddepcontrol.wait, which returns once the previous kernel has finished and its writes are
+// visible: the first weight records stream in while the previous epilogue kernel ends.
+// Activations, outputs, the split-K workspace and tickets are touched only after it, and
+// launch_dependents is signalled only after it too, so when a kernel starts every kernel but its
+// direct predecessor has finished.
 #include <cuda_runtime.h>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 namespace {
 
@@ -39,6 +54,13 @@ constexpr uint32_t kScaleBias = 0x76807680u;  // exponent 237 in both halves
 constexpr int kWarps = 8;
 
 __device__ __forceinline__ uint32_t rotr(uint32_t x, int s) { return __funnelshift_r(x, x, s); }
+
+// Wait for the previous kernel of the stream (its writes visible), then let the next one start.
+// A second call returns at once.
+__device__ __forceinline__ void pdl_wait_then_release() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
 
 // 8 codes -> 4 bf16x2 holding e2m1 * 2^-126 (exact).
 __device__ __forceinline__ void unpack8(uint32_t q, uint32_t& r0, uint32_t& r1, uint32_t& r2,
@@ -89,6 +111,34 @@ __device__ __forceinline__ uint16_t to_bf16(float v) {
   uint16_t r;
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
   return r;
+}
+
+// Bias and LoRA term of the output (see the top); bias == nullptr and s == nullptr: none.
+struct Epilogue {
+  const uint16_t* bias;  // (N) bf16
+  const float* s;        // (M, ld_s) fp32: the LoRA shrink x @ A^T, member m in columns m*r .. m*r+r-1
+  const float* b;        // (r, ld_b) fp32: B^T with the scaling folded in
+  int r, ld_s, ld_b, n1, n2;  // members: columns [0, n1), [n1, n2), [n2, N)
+};
+
+__device__ __forceinline__ float bf16_value(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
+
+// The bf16 bits of output (tk, nn) whose fp32 product (times alpha) is v.
+template <bool EPI>
+__device__ __forceinline__ uint16_t epilogue(float v, const Epilogue& e, int tk, int nn) {
+  uint16_t o = to_bf16(v);
+  if constexpr (!EPI) return o;
+  if (e.bias) o = to_bf16(bf16_value(o) + bf16_value(e.bias[nn]));
+  if (e.s) {
+    const int m = (nn >= e.n1) + (nn >= e.n2);
+    const float* sp = e.s + (size_t)tk * e.ld_s + m * e.r;
+    const float* bp = e.b + nn;
+    float d = 0.f;
+#pragma unroll 8
+    for (int t = 0; t < e.r; ++t) d = fmaf(sp[t], bp[(size_t)t * e.ld_b], d);
+    o = to_bf16(bf16_value(o) + d);
+  }
+  return o;
 }
 
 __device__ __forceinline__ uint32_t word(const int4& v, int i) {
@@ -151,12 +201,12 @@ __device__ __forceinline__ void chunk_mma_smem(float (&acc)[1][TNW][MT][4], cons
 // through a ring of D chunks per tile (chunk c+D is requested once chunk c is used), scales a
 // group ahead; all addresses are a running pointer plus constant offsets. Activations: registers
 // a chunk ahead (MT <= 2) or a per-block shared-memory double buffer filled by cp.async (MT >= 4).
-template <int MT, int TNW, int D, bool SMEM>
+template <int MT, int TNW, int D, bool SMEM, bool EPI>
 __global__ void __launch_bounds__(kWarps * 32, MT * TNW == 1 ? 4 : (MT * TNW <= 2 ? 3 : (MT * TNW <= 4 ? 2 : 1)))
     gemm_small_kernel(const int4* __restrict__ wq, const uint16_t* __restrict__ x,
                       uint16_t* __restrict__ y, float* __restrict__ ws, int* __restrict__ counters,
                       const float* __restrict__ alpha_p, int M, int N, int K, int ldx, int ldy,
-                      int ntiles, int kg, int splits, int gps, int pf) {
+                      int ntiles, int kg, int splits, int gps, int pf, const Epilogue ep) {
   constexpr int NACC = (MT * TNW == 1 && !SMEM) ? 2 : 1;  // two MMA chains when there is one
   constexpr int kGroup = 144;                              // int4s per record: 4 x 512 B + 256 B
   constexpr int kStage = MT * 8 * kXRowBytes;              // bytes of one shared-memory stage
@@ -202,6 +252,7 @@ __global__ void __launch_bounds__(kWarps * 32, MT * TNW == 1 ? 4 : (MT * TNW <= 
         sc[tn] = sload(tn, 0);
       }
     }
+    pdl_wait_then_release();  // activations are the previous kernel's output
     // activations: register path, lane (g, t) reads 32 bytes of row mt*8+g per chunk
     const uint16_t* xptr[MT];
     bool xok[MT];
@@ -324,6 +375,7 @@ __global__ void __launch_bounds__(kWarps * 32, MT * TNW == 1 ? 4 : (MT * TNW <= 
       skrem -= 256;
     }
   }
+  pdl_wait_then_release();  // blocks without a K range: before the workspace and tickets
   if constexpr (NACC == 2) {
 #pragma unroll
     for (int tn = 0; tn < TNW; ++tn)
@@ -344,7 +396,7 @@ __global__ void __launch_bounds__(kWarps * 32, MT * TNW == 1 ? 4 : (MT * TNW <= 
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int tk = tok + (i & 1), nn = n + 8 * (i >> 1);
-          if (tk < M && nn < N) y[(size_t)tk * ldy + nn] = to_bf16(acc[0][tn][mt][i] * alpha);
+          if (tk < M && nn < N) y[(size_t)tk * ldy + nn] = epilogue<EPI>(acc[0][tn][mt][i] * alpha, ep, tk, nn);
         }
       }
     return;
@@ -379,7 +431,7 @@ __global__ void __launch_bounds__(kWarps * 32, MT * TNW == 1 ? 4 : (MT * TNW <= 
     if (nn >= N) continue;
     float sum = 0.f;
     for (int sp = 0; sp < splits; ++sp) sum += __ldcg(ws + ((size_t)sp * M + tk) * npad + nn);
-    y[(size_t)tk * ldy + nn] = to_bf16(sum * alpha);
+    y[(size_t)tk * ldy + nn] = epilogue<EPI>(sum * alpha, ep, tk, nn);
   }
   if (threadIdx.x == 0) counters[blockIdx.x] = 0;
 }
@@ -636,6 +688,7 @@ __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
       for (int d = 0; d < 4; ++d) wb[d] = ld_stream(wptr + d * 32);
       sc = sload(0);
     }
+    pdl_wait_then_release();  // activations are the previous kernel's output
 
     issue(0, 0);
     asm volatile("cp.async.commit_group;" ::: "memory");
@@ -689,6 +742,7 @@ __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
     asm volatile("cp.async.wait_group 0;" ::: "memory");
     fence_acc(acc);
   }
+  pdl_wait_then_release();  // blocks without a K range: before the workspace and tickets
 
   // acc[4i + e]: weight row g + 8 (e >> 1) of the tile, activation row m0 + 8i + 2t + (e & 1)
   const float alpha = __ldg(alpha_p);
@@ -745,11 +799,10 @@ __global__ void __launch_bounds__(256)
   const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const size_t grp = idx >> 5;
-  if (grp >= (size_t)ntiles * kg) return;  // whole warps leave together
   const int gi = grp % kg, nt = grp / kg;
-  if (nt * 16 >= N || gi * 256 >= K) return;
-  char* sm = tile[threadIdx.x >> 5];
-  const int4* base = wq + grp * 144;
+  // whole warps leave together
+  const bool work = grp < (size_t)ntiles * kg && nt * 16 < N && gi * 256 < K;
+  const int4* base = wq + (work ? grp : 0) * 144;
   int4 q[4];
 #pragma unroll
   for (int c = 0; c < 4; ++c) q[c] = ld_stream(base + c * 32 + lane);
@@ -757,6 +810,9 @@ __global__ void __launch_bounds__(256)
   asm volatile("ld.global.nc.L1::no_allocate.v2.s32 {%0,%1}, [%2];"
                : "=r"(sv.x), "=r"(sv.y)
                : "l"(reinterpret_cast<const int2*>(base + 128) + lane));
+  pdl_wait_then_release();  // before writing w (its memory may be what the previous kernel reads)
+  if (!work) return;
+  char* sm = tile[threadIdx.x >> 5];
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
     const int k0 = gi * 256 + c * 64;
@@ -798,17 +854,40 @@ struct Variant {
   int smem;
 };
 
+// QERL_PDL=0 (read at every launch) turns programmatic dependent launch off.
+bool pdl_enabled() {
+  const char* v = getenv("QERL_PDL");
+  return v == nullptr || strcmp(v, "0") != 0;
+}
+
+// fn<<<grid, block, smem, stream>>>(args) with PDL if enabled.
+cudaError_t launch(const void* fn, dim3 grid, dim3 block, int smem, void* stream, void** args) {
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = (size_t)smem;
+  cfg.stream = static_cast<cudaStream_t>(stream);
+  cfg.attrs = &attr;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  cudaError_t err = cudaLaunchKernelExC(&cfg, fn, args);
+  return err != cudaSuccess ? err : cudaGetLastError();
+}
+
 template <int MT, int TNW>
-Variant variant() {
+Variant variant(bool epi) {
   constexpr bool kSmem = MT >= 4;
   constexpr int kRing = TNW >= 2 ? 2 : 4;
-  return {reinterpret_cast<void*>(&gemm_small_kernel<MT, TNW, kRing, kSmem>),
+  return {epi ? reinterpret_cast<void*>(&gemm_small_kernel<MT, TNW, kRing, kSmem, true>)
+              : reinterpret_cast<void*>(&gemm_small_kernel<MT, TNW, kRing, kSmem, false>),
           kSmem ? 2 * MT * 8 * kXRowBytes : 0};
 }
 
-Variant pick(int mt, int tnw) {
+Variant pick(int mt, int tnw, bool epi = false) {
 #define QERL_CASE(A, B) \
-  if (mt == A && tnw == B) return variant<A, B>();
+  if (mt == A && tnw == B) return variant<A, B>(epi);
   QERL_CASE(1, 1) QERL_CASE(1, 2) QERL_CASE(1, 4)
   QERL_CASE(2, 1) QERL_CASE(2, 2) QERL_CASE(2, 4)
   QERL_CASE(4, 1) QERL_CASE(4, 2) QERL_CASE(4, 4)
@@ -857,21 +936,27 @@ cudaError_t allow_smem(const Variant& v) {
 
 extern "C" {
 
+#define QERL_EPILOGUE_ARGS \
+  const void *bias, const void *ls, const void *lb, int lr, int lds, int ldb, int n1, int n2
+#define QERL_EPILOGUE \
+  Epilogue { (const uint16_t*)bias, (const float*)ls, (const float*)lb, lr, lds, ldb, n1, n2 }
+
 // Returns a cudaError_t (0 = launched). mt: 8-row activation tiles (1, 2, 4, 8, 16);
 // tnw: 16-row weight tiles per warp (1, 2, 4); splits/gps: K split, groups (256 inputs) per split;
-// pf: L2 prefetch distance in groups (0: none).
+// pf: L2 prefetch distance in groups (0: none). Epilogue (bias, LoRA shrink s (M, lds), B^T
+// (lr, ldb), member edges n1, n2): null pointers for none.
 int qerl_nvfp4_gemm_small(int mt, int tnw, const void* wq, const void* x, void* y, void* ws,
                           void* counters, const void* alpha, int M, int N, int K, int ldx, int ldy,
-                          int ntiles, int kg, int splits, int gps, int pf, void* stream) {
-  const Variant v = pick(mt, tnw);
+                          int ntiles, int kg, int splits, int gps, int pf, QERL_EPILOGUE_ARGS,
+                          void* stream) {
+  const Epilogue ep = QERL_EPILOGUE;
+  const Variant v = pick(mt, tnw, bias != nullptr || ls != nullptr);
   if (v.fn == nullptr) return (int)cudaErrorInvalidValue;
   dim3 grid((ntiles + kWarps * tnw - 1) / (kWarps * tnw), splits);
+  const void* epp = &ep;
   void* args[] = {&wq, &x, &y, &ws, &counters, &alpha, &M, &N, &K,
-                  &ldx, &ldy, &ntiles, &kg, &splits, &gps, &pf};
-  cudaError_t err = cudaLaunchKernel(v.fn, grid, dim3(kWarps * 32), args, v.smem,
-                                     static_cast<cudaStream_t>(stream));
-  if (err != cudaSuccess) return (int)err;
-  return (int)cudaGetLastError();
+                  &ldx, &ldy, &ntiles, &kg, &splits, &gps, &pf, const_cast<void*>(epp)};
+  return (int)launch(v.fn, grid, dim3(kWarps * 32), v.smem, stream, args);
 }
 
 // Medium M: the wgmma kernel. bn: activation rows per block (16, 32, 64, 96, 128; 192 and 256
@@ -888,9 +973,7 @@ int qerl_nvfp4_gemm_wg(int bn, int wg, const void* wq, const void* x, void* y, v
   dim3 grid((ntiles + 4 * wg - 1) / (4 * wg), splits, mtiles);
   void* args[] = {&wq, &x, &y, &ws, &counters, &alpha, &M, &N, &K,
                   &ldx, &ldy, &ntiles, &kg, &splits, &gps, &pf};
-  err = cudaLaunchKernel(v.fn, grid, dim3(wg * 128), args, v.smem, static_cast<cudaStream_t>(stream));
-  if (err != cudaSuccess) return (int)err;
-  return (int)cudaGetLastError();
+  return (int)launch(v.fn, grid, dim3(wg * 128), v.smem, stream, args);
 }
 
 int qerl_nvfp4_occupancy_wg(int bn, int wg) {
@@ -916,9 +999,10 @@ int qerl_nvfp4_occupancy(int mt, int tnw) {
 int qerl_nvfp4_dequant(const void* wq, void* w, int N, int K, int ntiles, int kg, void* stream) {
   const size_t threads = (size_t)ntiles * kg * 32;
   const unsigned blocks = (unsigned)((threads + 255) / 256);
-  dequant_kernel<<<blocks, 256, 0, static_cast<cudaStream_t>(stream)>>>(
-      static_cast<const int4*>(wq), static_cast<uint16_t*>(w), N, K, ntiles, kg);
-  return (int)cudaGetLastError();
+  const int4* wq4 = static_cast<const int4*>(wq);
+  uint16_t* w16 = static_cast<uint16_t*>(w);
+  void* args[] = {&wq4, &w16, &N, &K, &ntiles, &kg};
+  return (int)launch(reinterpret_cast<const void*>(&dequant_kernel), dim3(blocks), dim3(256), 0, stream, args);
 }
 
 const char* qerl_nvfp4_error_string(int err) { return cudaGetErrorString((cudaError_t)err); }

@@ -10,6 +10,9 @@ crossovers measured on H200):
 - "cublas" (the rest): one pass dequantizes to bf16 and cuBLAS multiplies, with the global scale
   as the GEMM's alpha so the output is rounded once.
 dx = dy @ W always takes the last path (training has large M; the base gets no gradient).
+The small-M kernel can also add a bias and a LoRA delta in its epilogue (``matmul_epilogue``).
+Every kernel is launched with programmatic dependent launch, so it starts streaming weights while
+the previous kernel of the stream finishes; ``QERL_PDL=0`` (read at each launch) turns that off.
 Elsewhere (CPU, other GPUs, other dtypes, ``QERL_KERNELS=0``) the ops compute the same function
 in plain torch from the same repacked weights.
 """
@@ -229,10 +232,33 @@ def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
+def _epilogue_args(m: int, p: PreparedNVFP4, bias: torch.Tensor | None, lora) -> tuple:  # noqa: ANN001
+    """The kernel's epilogue arguments (bias, s, b, r, ld_s, ld_b, n1, n2), checked."""
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.numel() != p.n or not bias.is_contiguous()):
+        raise ValueError(f"the epilogue bias must be a contiguous bf16 vector of {p.n} elements")
+    if lora is None:
+        return (_ptr(bias), None, None, 0, 0, 0, 0, 0)
+    s, b = lora.s, lora.b
+    if (s.dtype != torch.float32 or b.dtype != torch.float32 or s.stride(1) != 1 or b.stride(1) != 1
+            or s.shape[0] < m or b.shape[0] < lora.r or b.shape[1] < p.n):
+        raise ValueError("the epilogue LoRA term needs fp32 s (M, G*r) and b (r, N) with unit column stride")
+    return (_ptr(bias), s.data_ptr(), b.data_ptr(), lora.r, s.stride(0), b.stride(0), min(lora.n1, 2**31 - 1),
+            min(lora.n2, 2**31 - 1))
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
 def gemm_small_into(x2: torch.Tensor, p: PreparedNVFP4, out: torch.Tensor, *, tnw: int | None = None,
                     splits: int | None = None, workspace: torch.Tensor | None = None,
-                    prefetch: int | None = None) -> torch.Tensor:
-    """Fused kernel into ``out`` [M, N] (bf16, row stride N) for x2 [M, K] bf16, M <= SMALL_M_MAX."""
+                    prefetch: int | None = None, bias: torch.Tensor | None = None,
+                    lora=None) -> torch.Tensor:  # noqa: ANN001 - any object with s, b, r, n1, n2 (LoraTerm)
+    """Fused kernel into ``out`` [M, N] (bf16, row stride N) for x2 [M, K] bf16, M <= SMALL_M_MAX.
+
+    ``bias`` (bf16 [N]) and ``lora`` (fused_ops.LoraTerm: s [M, G*r] and b [r, N] fp32, member
+    edges n1, n2) are added in the kernel's epilogue in the eager order (bf16 product, + bias in
+    bf16, + delta in fp32, rounded once), which saves a launch per projection."""
     m = x2.shape[0]
     if m > SMALL_M_MAX or m < 1:
         raise ValueError(f"the fused kernel takes 1..{SMALL_M_MAX} rows, got {m}")
@@ -245,7 +271,7 @@ def gemm_small_into(x2: torch.Tensor, p: PreparedNVFP4, out: torch.Tensor, *, tn
     err = lib.qerl_nvfp4_gemm_small(
         mt, tnw, p.wq.data_ptr(), x2.data_ptr(), out.data_ptr(), ws_ptr, p.counters.data_ptr(),
         p.alpha.data_ptr(), m, p.n, p.k, x2.stride(0), out.stride(0), p.ntiles, p.kg, splits, gps,
-        _prefetch(m) if prefetch is None else prefetch, _stream(x2.device),
+        _prefetch(m) if prefetch is None else prefetch, *_epilogue_args(m, p, bias, lora), _stream(x2.device),
     )
     _build.check(lib, err, "NVFP4 fused GEMM launch")
     return out
@@ -284,6 +310,18 @@ def dequant_into(p: PreparedNVFP4, out: torch.Tensor) -> torch.Tensor:
     err = lib.qerl_nvfp4_dequant(p.wq.data_ptr(), out.data_ptr(), p.n, p.k, p.ntiles, p.kg, _stream(out.device))
     _build.check(lib, err, "NVFP4 dequantize launch")
     return out
+
+
+def matmul_epilogue(x2: torch.Tensor, p: PreparedNVFP4, bias: torch.Tensor | None,
+                    lora) -> torch.Tensor | None:  # noqa: ANN001 - a fused_ops.LoraTerm or None
+    """x2 [M, K] @ W^T + bias + LoRA delta in one launch (the small-M kernel's epilogue; see
+    gemm_small_into), or None where that kernel does not run (other M, no kernels here): the
+    caller then adds bias and delta itself."""
+    m = x2.shape[0]
+    if not available(x2) or kernel_path(m, p.n, p.k) != "small":
+        return None
+    out = torch.empty(m, p.n, dtype=torch.bfloat16, device=x2.device)
+    return gemm_small_into(x2, p, out, bias=bias, lora=lora)
 
 
 def _scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:

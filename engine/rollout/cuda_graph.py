@@ -20,7 +20,7 @@ changes is how a decode token is computed:
   compressed-tensors buffers are dropped, training reads the same operand); bf16 weights become
   views into one concatenated tensor. The LoRA stays unmerged: its shrink is one launch per
   group on the concatenated A's, its expand runs inside the group's epilogue kernel on the
-  members' B's (scaling folded in), refreshed from the live parameters at the start of every
+  members' B's (scaling folded in; for o and down on NVFP4 at small batch, inside the GEMM), refreshed from the live parameters at the start of every
   call, like the RMSNorm weights with their AQN noise (no re-quantization).
 - the element-wise work between GEMMs (bias and LoRA epilogues, residual add + RMSNorm,
   RoPE + cache write, SiLU * up) is one fused kernel per group on Hopper (fused_ops.CudaOps);
@@ -43,7 +43,7 @@ from engine.lora import LoRALinear
 from engine.model.cache import KVCache
 from engine.quant.base import FrozenLinear
 from engine.rollout.attention import pick_attention
-from engine.rollout.fused_ops import LoraTerm, pick_ops
+from engine.rollout.fused_ops import CudaOps, LoraTerm, pick_ops
 from engine.rollout.batching import Rows, check_prompts, eos_ids, left_pad, sub_batches
 from engine.rollout.params import Completion, SamplingParams
 from engine.rollout.sampler import sample_next
@@ -282,13 +282,27 @@ class GraphRollout:
                                    self.vc[i], self.slot, heads=heads, kv_heads=kvh, d=d, q_norm=L.q_norm,
                                    k_norm=L.k_norm)
             o = self.attention(q, self.kc[i], self.vc[i], self.valid, s)  # (B, heads * D)
-            x, h = ops.add_rmsnorm(x, L.o.base(o), L.o.bias, L.o.lora_term(ops, o), L.w_post, eps)
+            x, h = self._add_rmsnorm(L.o, o, x, L.w_post)
             a = ops.silu_mul(L.gu.base(h), L.gu.bias, L.gu.lora_term(ops, h))
             w_next = self.layers[i + 1].w_in if i + 1 < n else self.w_final
-            x, h = ops.add_rmsnorm(x, L.down.base(a), L.down.bias, L.down.lora_term(ops, a), w_next, eps)
+            x, h = self._add_rmsnorm(L.down, a, x, w_next)
         self.logits[:b].copy_(F.linear(h, self.model.lm_head.weight))
         self.pos[:b] += 1
         self.slot += 1
+
+    def _add_rmsnorm(self, g: _Group, inp: torch.Tensor, x: torch.Tensor, w: torch.Tensor):
+        """x + projection g of inp (bias, LoRA), then RMSNorm with weight w: (x, normed). An NVFP4
+        group whose GEMM runs the small-M kernel adds bias and LoRA in that kernel's epilogue
+        instead of in a launch of their own."""
+        ops, eps = self.ops, self.cfg.rms_norm_eps
+        lora = g.lora_term(ops, inp)
+        if g.mode == "nvfp4" and isinstance(ops, CudaOps):
+            from engine.kernels.nvfp4_gemm import matmul_epilogue
+
+            y = matmul_epilogue(inp, g.prepared, g.bias, lora)
+            if y is not None:
+                return ops.add_rmsnorm(x, y, None, None, w, eps)
+        return ops.add_rmsnorm(x, g.base(inp), g.bias, lora, w, eps)
 
     def _run_step(self, b: int, slot: int) -> None:
         s = min(self.max_len, -(-(slot + 1) // self.len_bucket) * self.len_bucket)

@@ -6,11 +6,27 @@
 // the output column's row of B, r multiply-adds per element); the residual add is a bf16 add; RMSNorm computes in fp32 and rounds once;
 // RoPE is three bf16 ops (x*cos, rotate_half(x)*sin, their sum). Only reduction orders differ.
 // Plain C entry points (no torch headers), launched on the caller's stream.
+//
+// Programmatic dependent launch (PDL): every kernel is launched with programmatic stream
+// serialization (unless QERL_PDL=0 at launch time), so its blocks may start while the previous
+// kernel in the stream drains. Each kernel reads nothing an earlier kernel writes and writes
+// nothing before griddepcontrol.wait (which returns once the previous kernel has finished and its
+// writes are visible; at once when the launch was not programmatic), and signals
+// launch_dependents only after that wait: so when a kernel starts, every kernel but its direct
+// predecessor has finished, whoever launched them.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 typedef __nv_bfloat16 bf16;
+
+// Wait for the previous kernel of the stream (its writes visible), then let the next one start.
+__device__ __forceinline__ void pdl_wait_then_release() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
 
 __device__ __forceinline__ float rb(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 __device__ __forceinline__ float ld(const bf16* p) { return __bfloat162float(*p); }
@@ -44,24 +60,36 @@ __device__ __forceinline__ float proj(const bf16* y, const bf16* bias, const Lor
 // projection whose consumer runs one block per row, so that the expand uses the whole GPU).
 __global__ void lora_expand_kernel(const bf16* __restrict__ y, const bf16* __restrict__ bias, const Lora L,
                                    bf16* __restrict__ out, int n, int ld_y) {
+  pdl_wait_then_release();
   const long long row = blockIdx.y;
   const int col = blockIdx.x * 256 + threadIdx.x;
   if (col >= n) return;
   out[row * n + col] = __float2bfloat16_rn(proj(y, bias, L, row, col, ld_y));
 }
 
-// grid (rtot, ceil(k / 1024), ceil(rows / 8)), block 256, s zeroed first: s[row, j] += the block's
-// 1024 inputs of sum_k x[row, k] * a[j, k] (fp32). Every thread loads 4 inputs of a and of each row.
-__global__ void lora_shrink_kernel(const bf16* __restrict__ x, int ldx, const float* __restrict__ a,
-                                   float* __restrict__ s, int rows, int k, int rtot) {
-  const int j = blockIdx.x, r0 = blockIdx.z * 8;
+// grid (rtot, kb = ceil(k / 4096), ceil(rows / 8)), block 1024: s[row, j] = sum_k x[row, k] * a[j, k]
+// (fp32) for 8 rows. Each thread multiplies 4 inputs of a by those of each row; the block adds its
+// threads' products in a fixed order (warps, then across warps). With kb > 1 each block writes its
+// sums to ws (kb, rows, rtot) and takes a ticket; the last block of an output adds the kb sums in
+// block order, writes s and resets the ticket (left zero for the next call). One launch, no
+// zeroed output, the same result on every run. A is read before the PDL wait (no kernel of a
+// decode step writes it).
+constexpr int kShrinkThreads = 1024, kShrinkWarps = kShrinkThreads / 32;
+constexpr int kShrinkInputs = 4 * kShrinkThreads;  // inputs per block
+
+__global__ void __launch_bounds__(kShrinkThreads)
+    lora_shrink_kernel(const bf16* __restrict__ x, int ldx, const float* __restrict__ a, float* __restrict__ s,
+                       float* __restrict__ ws, int* __restrict__ tickets, int rows, int k, int rtot) {
+  const int j = blockIdx.x, kbi = blockIdx.y, kb = gridDim.y, r0 = blockIdx.z * 8;
   const int nr = min(8, rows - r0);
-  const int i = (blockIdx.y * 256 + threadIdx.x) * 4;
+  const int i = kbi * kShrinkInputs + threadIdx.x * 4;
+  float4 av = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (i < k) av = *reinterpret_cast<const float4*>(a + (long long)j * k + i);
+  pdl_wait_then_release();
   float acc[8];
 #pragma unroll
   for (int q = 0; q < 8; ++q) acc[q] = 0.f;
   if (i < k) {  // k is a multiple of 4, rows of x and a are 8-byte aligned
-    const float4 av = *reinterpret_cast<const float4*>(a + (long long)j * k + i);
 #pragma unroll
     for (int q = 0; q < 8; ++q) {
       if (q < nr) {
@@ -72,7 +100,8 @@ __global__ void lora_shrink_kernel(const bf16* __restrict__ x, int ldx, const fl
       }
     }
   }
-  __shared__ float part[8][8];
+  __shared__ float part[8][kShrinkWarps];
+  __shared__ int is_last;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int q = 0; q < 8; ++q) {
@@ -81,12 +110,27 @@ __global__ void lora_shrink_kernel(const bf16* __restrict__ x, int ldx, const fl
     if (lane == 0) part[q][warp] = v;
   }
   __syncthreads();
-  if (threadIdx.x < 64) {
-    const int q = threadIdx.x >> 3, w = threadIdx.x & 7;
-    float v = part[q][w];
-    for (int o = 4; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o, 8);
-    if (w == 0 && q < nr) atomicAdd(s + (long long)(r0 + q) * rtot + j, v);
+  float* out = kb == 1 ? s : ws + (long long)kbi * rows * rtot;  // this block's sums
+  if (warp < nr) {  // warp q adds row q's warp sums
+    float v = part[warp][lane];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) out[(long long)(r0 + warp) * rtot + j] = v;
   }
+  if (kb == 1) return;
+  __threadfence();
+  __syncthreads();
+  int* ticket = tickets + blockIdx.z * rtot + j;
+  if (threadIdx.x == 0) is_last = atomicAdd(ticket, 1) == kb - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  if (warp < nr) {  // lane p adds blocks p, p + 32, ...; then the warp adds its lanes
+    float v = 0.f;
+    for (int b = lane; b < kb; b += 32) v += __ldcg(ws + ((long long)b * rows + r0 + warp) * rtot + j);
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) s[(long long)(r0 + warp) * rtot + j] = v;
+  }
+  if (threadIdx.x == 0) *ticket = 0;
 }
 
 // grid (rows, heads + 2 * kv_heads), block head_dim. q heads -> q_out (rows, heads, D) roped;
@@ -96,6 +140,7 @@ __global__ void qkv_rope_cache_kernel(const bf16* __restrict__ y, const bf16* __
                                       const bf16* __restrict__ sin_t, bf16* __restrict__ q_out, bf16* kc, bf16* vc,
                                       const int64_t* __restrict__ slot, int heads, int kv_heads, int d,
                                       long long cache_row, long long cache_head, int ld_y) {
+  pdl_wait_then_release();
   const long long row = blockIdx.x;
   const int h = blockIdx.y;
   const int t = threadIdx.x;
@@ -139,6 +184,7 @@ __device__ float block_sum(float v) {
 template <int THREADS>
 __global__ void add_rmsnorm_kernel(bf16* x, const bf16* __restrict__ y, const bf16* __restrict__ bias, const Lora L,
                                    const float* __restrict__ w, float eps, bf16* __restrict__ out, int hdim) {
+  pdl_wait_then_release();
   const long long row = blockIdx.x;
   bf16* xr = x + row * hdim;
   float ss = 0.f;
@@ -160,6 +206,7 @@ __global__ void add_rmsnorm_kernel(bf16* x, const bf16* __restrict__ y, const bf
 // grid (ceil(I / 256), rows), block 256. gu (rows, 2I) = [gate | up] -> bf16(bf16(silu(g)) * u).
 __global__ void silu_mul_kernel(const bf16* __restrict__ gu, const bf16* __restrict__ bias, const Lora L,
                                 bf16* __restrict__ out, int inter) {
+  pdl_wait_then_release();
   const long long row = blockIdx.y;
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= inter) return;
@@ -171,52 +218,78 @@ __global__ void silu_mul_kernel(const bf16* __restrict__ gu, const bf16* __restr
 }
 
 
+namespace {
+
+// QERL_PDL=0 (read at every launch) turns programmatic dependent launch off.
+bool pdl_enabled() {
+  const char* v = getenv("QERL_PDL");
+  return v == nullptr || strcmp(v, "0") != 0;
+}
+
+// kernel<<<grid, block, 0, stream>>>(args...), with PDL if enabled.
+template <typename... Params, typename... Args>
+cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, void* stream, Args... args) {
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = static_cast<cudaStream_t>(stream);
+  cfg.attrs = &attr;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+  return err != cudaSuccess ? err : cudaGetLastError();
+}
+
+}  // namespace
+
 extern "C" {
 
 #define LORA_ARGS const void *ls, const void *lb, int lr, int lds, int ldb, int n1, int n2
 #define LORA_MAKE Lora{(const float*)ls, (const float*)lb, lr, lds, ldb, n1, n2}
 
-int qerl_lora_shrink(const void* x, int ldx, const void* a, void* s, int rows, int k, int rtot, void* stream) {
-  if (k % 4 || ldx % 4) return (int)cudaErrorInvalidValue;
-  cudaError_t err = cudaMemsetAsync(s, 0, sizeof(float) * (size_t)rows * rtot, (cudaStream_t)stream);
-  if (err != cudaSuccess) return (int)err;
-  dim3 grid(rtot, (k + 1023) / 1024, (rows + 7) / 8);
-  lora_shrink_kernel<<<grid, 256, 0, (cudaStream_t)stream>>>((const bf16*)x, ldx, (const float*)a, (float*)s, rows,
-                                                             k, rtot);
-  return (int)cudaGetLastError();
+// s (rows, rtot) = x (rows, k; row stride ldx, bf16) @ a^T (a: rtot x k, fp32). With k > 4096, ws
+// holds ceil(k / 4096) * rows * rtot floats and tickets ceil(rows / 8) * rtot ints, all zero
+// before the first call (each call leaves them zero); unused otherwise.
+int qerl_lora_shrink(const void* x, int ldx, const void* a, void* s, void* ws, void* tickets, int rows, int k,
+                     int rtot, void* stream) {
+  if (k % 4 || ldx % 4 || rows < 1 || k < 1) return (int)cudaErrorInvalidValue;
+  const int kb = (k + kShrinkInputs - 1) / kShrinkInputs;
+  if (kb > 1 && (ws == nullptr || tickets == nullptr)) return (int)cudaErrorInvalidValue;
+  const dim3 grid(rtot, kb, (rows + 7) / 8);
+  return (int)launch(lora_shrink_kernel, grid, dim3(kShrinkThreads), stream, (const bf16*)x, ldx,
+                     (const float*)a, (float*)s, (float*)ws, (int*)tickets, rows, k, rtot);
 }
 
 int qerl_lora_expand(const void* y, const void* bias, LORA_ARGS, void* out, int rows, int n, int ld_y,
                      void* stream) {
-  dim3 grid((n + 255) / 256, rows);
-  lora_expand_kernel<<<grid, 256, 0, (cudaStream_t)stream>>>((const bf16*)y, (const bf16*)bias, LORA_MAKE,
-                                                             (bf16*)out, n, ld_y);
-  return (int)cudaGetLastError();
+  const dim3 grid((n + 255) / 256, rows);
+  return (int)launch(lora_expand_kernel, grid, dim3(256), stream, (const bf16*)y, (const bf16*)bias, LORA_MAKE,
+                     (bf16*)out, n, ld_y);
 }
 
 int qerl_qkv_rope_cache(const void* y, const void* bias, LORA_ARGS, const void* cos_t, const void* sin_t,
                         void* q_out, void* kc, void* vc, const void* slot, int rows, int heads, int kv_heads, int d,
                         long long cache_row, long long cache_head, int ld_y, void* stream) {
   if (d > 1024 || d % 2) return (int)cudaErrorInvalidValue;
-  dim3 grid(rows, heads + 2 * kv_heads);
-  qkv_rope_cache_kernel<<<grid, d, 0, (cudaStream_t)stream>>>(
-      (const bf16*)y, (const bf16*)bias, LORA_MAKE, (const bf16*)cos_t, (const bf16*)sin_t, (bf16*)q_out,
-      (bf16*)kc, (bf16*)vc, (const int64_t*)slot, heads, kv_heads, d, cache_row, cache_head, ld_y);
-  return (int)cudaGetLastError();
+  const dim3 grid(rows, heads + 2 * kv_heads);
+  return (int)launch(qkv_rope_cache_kernel, grid, dim3(d), stream, (const bf16*)y, (const bf16*)bias, LORA_MAKE,
+                     (const bf16*)cos_t, (const bf16*)sin_t, (bf16*)q_out, (bf16*)kc, (bf16*)vc,
+                     (const int64_t*)slot, heads, kv_heads, d, cache_row, cache_head, ld_y);
 }
 
 int qerl_add_rmsnorm(void* x, const void* y, const void* bias, LORA_ARGS, const void* w, float eps, void* out,
                      int rows, int hdim, void* stream) {
-  add_rmsnorm_kernel<1024><<<rows, 1024, 0, (cudaStream_t)stream>>>(
-      (bf16*)x, (const bf16*)y, (const bf16*)bias, LORA_MAKE, (const float*)w, eps, (bf16*)out, hdim);
-  return (int)cudaGetLastError();
+  return (int)launch(add_rmsnorm_kernel<1024>, dim3(rows), dim3(1024), stream, (bf16*)x, (const bf16*)y,
+                     (const bf16*)bias, LORA_MAKE, (const float*)w, eps, (bf16*)out, hdim);
 }
 
 int qerl_silu_mul(const void* gu, const void* bias, LORA_ARGS, void* out, int rows, int inter, void* stream) {
-  dim3 grid((inter + 255) / 256, rows);
-  silu_mul_kernel<<<grid, 256, 0, (cudaStream_t)stream>>>((const bf16*)gu, (const bf16*)bias, LORA_MAKE, (bf16*)out,
-                                                          inter);
-  return (int)cudaGetLastError();
+  const dim3 grid((inter + 255) / 256, rows);
+  return (int)launch(silu_mul_kernel, grid, dim3(256), stream, (const bf16*)gu, (const bf16*)bias, LORA_MAKE,
+                     (bf16*)out, inter);
 }
 
 const char* qerl_fused_error_string(int err) { return cudaGetErrorString((cudaError_t)err); }

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("fused_decode.cu")
 FLAGS = ["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC"]
+SHRINK_BLOCK_INPUTS = 4096  # inputs per block of lora_shrink_kernel (kShrinkInputs)
 
 
 @dataclass
@@ -96,9 +97,6 @@ class TorchOps:
         vc[:b].index_copy_(2, slot, v[:, :, None])
         return q
 
-    def decode_attention(self, q, kc, vc, mask) -> torch.Tensor:
-        return decode_attention(q, kc, vc, mask)
-
     def add_rmsnorm(self, x, y, bias, lora, w, eps: float):
         if y is not None:
             x = x + _proj(y, bias, lora)
@@ -123,6 +121,18 @@ class CudaOps:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
+        self._tickets: dict[torch.device, torch.Tensor] = {}
+
+    def _shrink_tickets(self, device: torch.device, n: int) -> torch.Tensor:
+        """The shrink's zeroed tickets (each call leaves them zero), made once per device (on the
+        first call, which runs before a graph capture: the engine warms up eagerly) and grown on demand."""
+        t = self._tickets.get(device)
+        if t is None or t.numel() < n:
+            if torch.cuda.is_current_stream_capturing():  # a captured zero fill runs only at replay
+                raise RuntimeError("CudaOps.lora_shrink: call it once eagerly with this shape before a graph capture")
+            t = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+            self._tickets[device] = t
+        return t
 
     def _check(self, err: int, what: str) -> None:
         if err != 0:
@@ -142,8 +152,15 @@ class CudaOps:
         b, k = x.shape
         if x.dtype != torch.bfloat16 or x.stride(1) != 1 or x.stride(0) % 4 or x.data_ptr() % 8:
             x = x.to(torch.bfloat16).contiguous()
-        s = torch.empty(b, a.shape[0], dtype=torch.float32, device=x.device)
-        err = self.lib.qerl_lora_shrink(_ptr(x), x.stride(0), _ptr(a), _ptr(s), b, k, a.shape[0], self._stream(x))
+        rtot = a.shape[0]
+        s = torch.empty(b, rtot, dtype=torch.float32, device=x.device)
+        ws = tickets = None
+        kb = -(-k // SHRINK_BLOCK_INPUTS)
+        if kb > 1:  # K split over kb blocks: their partial sums and the tickets of the last block
+            ws = torch.empty(kb * b * rtot, dtype=torch.float32, device=x.device)
+            tickets = self._shrink_tickets(x.device, -(-b // 8) * rtot)
+        err = self.lib.qerl_lora_shrink(_ptr(x), x.stride(0), _ptr(a), _ptr(s), _ptr(ws), _ptr(tickets), b, k, rtot,
+                                        self._stream(x))
         self._check(err, "LoRA shrink")
         return s
 
@@ -159,9 +176,6 @@ class CudaOps:
             heads, kv_heads, d, kc.stride(0), kc.stride(1), y.shape[1], self._stream(y))
         self._check(err, "fused q/k/v epilogue")
         return q
-
-    def decode_attention(self, q, kc, vc, mask) -> torch.Tensor:
-        return decode_attention(q, kc, vc, mask)
 
     def add_rmsnorm(self, x, y, bias, lora, w, eps: float):
         b, h = x.shape
@@ -191,7 +205,7 @@ class CudaOps:
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _LORA = [_P, _P, _I, _I, _I, _I, _I]
 _SIGNATURES = {
-    "qerl_lora_shrink": [_P, _I, _P, _P, _I, _I, _I, _P],
+    "qerl_lora_shrink": [_P, _I, _P, _P, _P, _P, _I, _I, _I, _P],
     "qerl_qkv_rope_cache": [_P, _P, *_LORA, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_longlong,
                             ctypes.c_longlong, _I, _P],
     "qerl_add_rmsnorm": [_P, _P, _P, *_LORA, _P, ctypes.c_float, _P, _I, _I, _P],

@@ -1,0 +1,243 @@
+"""The fused decode kernels (engine/rollout/fused_decode.cu) and programmatic dependent launch.
+
+- The LoRA shrink (one launch, no memset) against a float64 torch product on fresh
+  random data, every output written (NaN-poisoned before), the same bits on every run.
+- A chain of dependent decode kernels (NVFP4 GEMMs of all three kinds, shrink, RoPE + cache,
+  SDPA, expand, residual + RMSNorm, SiLU * up; buffers reused across layers, memcpy and
+  cuBLAS in between) captured in a CUDA graph with PDL on: the same bits as with PDL off and as
+  eager launches, and within bf16 tolerance of TorchOps over float GEMMs.
+Needs an sm_90 GPU and nvcc; skipped elsewhere (CI has none).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.rollout.fused_ops import LoraTerm, TorchOps, attention_mask, decode_attention, pick_ops
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+        reason="needs an sm_90 (Hopper) GPU",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    o = pick_ops(torch.device("cuda"), torch.bfloat16, qk_norm=False, head_dim=128)
+    if o.name != "cuda":
+        pytest.skip("fused kernels need nvcc")
+    return o
+
+
+def _shrink_into(ops, x: torch.Tensor, a: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The kernel on NaN-poisoned partial sums; its tickets must be left zero."""
+    from engine.rollout.fused_ops import SHRINK_BLOCK_INPUTS
+
+    rows, k = x.shape
+    kb = -(-k // SHRINK_BLOCK_INPUTS)
+    ws = torch.full((kb * rows * a.shape[0],), float("nan"), device="cuda")
+    tickets = ops._shrink_tickets(x.device, -(-rows // 8) * a.shape[0])
+    err = ops.lib.qerl_lora_shrink(x.data_ptr(), x.stride(0), a.data_ptr(), out.data_ptr(), ws.data_ptr(),
+                                   tickets.data_ptr(), rows, k, a.shape[0], torch.cuda.current_stream().cuda_stream)
+    ops._check(err, "LoRA shrink")
+    assert int(tickets.abs().sum()) == 0, "the shrink's tickets must be left zero"
+    return out
+
+
+@pytest.mark.parametrize("pdl", ["1", "0"])
+def test_lora_shrink_against_float64(ops, pdl, monkeypatch):
+    monkeypatch.setenv("QERL_PDL", pdl)
+    g = torch.Generator("cuda").manual_seed(int(pdl))
+    for k in (36, 1028, 3584, 4100, 5120, 18944, 27648, 139268):
+        for rows in (1, 5, 8, 16, 64):
+            for rtot in (16, 7, 48, 192):
+                pad = 12 if rows % 2 else 0  # a strided x (row stride k + 12) for odd row counts
+                xs = torch.randn(rows, k + pad, device="cuda", generator=g).bfloat16()[:, :k]
+                a = torch.randn(rtot, k, device="cuda", generator=g) * 0.02
+                out = torch.full((rows, rtot), float("nan"), device="cuda")
+                got = _shrink_into(ops, xs, a, out)
+                want = xs.double() @ a.double().t()
+                what = f"rows={rows} k={k} rtot={rtot}"
+                assert not torch.isnan(got).any(), f"{what}: unwritten outputs"
+                err = (got.double() - want).abs().max().item()
+                assert err <= 2e-6 * k**0.5 + 1e-6 * want.abs().max().item(), f"{what}: max abs err {err:.2e}"
+                again = _shrink_into(ops, xs, a, torch.full_like(out, float("nan")))
+                assert torch.equal(got, again), f"{what}: not deterministic"
+    xs, a = torch.randn(3, 3584, device="cuda").bfloat16(), torch.randn(32, 3584, device="cuda")
+    torch.testing.assert_close(ops.lora_shrink(xs, a).double(), xs.double() @ a.double().t(), atol=1e-4, rtol=1e-5)
+
+
+# -- a decode chain with PDL ---------------------------------------------------------------------
+HEADS, KVH, D, H, INTER, S, R = 8, 2, 128, 1024, 5120, 64, 16  # INTER > 4096: the shrink splits K
+
+
+class _Chain:
+    """Two decoder layers' worth of fused decode kernels on static buffers."""
+
+    def __init__(self, b: int, seed: int) -> None:
+        from tests.test_kernels_gpu import make_layer
+
+        self.b = b
+        g = torch.Generator("cuda").manual_seed(seed)
+
+        def rnd(*s, scale=1.0):
+            return torch.randn(*s, device="cuda", generator=g) * scale
+
+        self.layers = []
+        for i in range(2):
+            layer = {}
+            for j, (name, n, k, members) in enumerate((("qkv", (HEADS + 2 * KVH) * D, H, 3), ("o", H, HEADS * D, 1),
+                                                       ("gu", 2 * INTER, H, 2), ("down", H, INTER, 1))):
+                p, wref, gscale = make_layer(n, k, seed=1000 * seed + 10 * i + j)
+                layer[name] = (p, (wref / gscale).t().contiguous())  # fp32 (k, n) for the reference
+                layer[name + "_a"] = rnd(members * R, k, scale=0.02)
+                layer[name + "_b"] = rnd(R, n, scale=0.05)
+                layer[name + "_edges"] = {3: (HEADS * D, (HEADS + KVH) * D), 2: (INTER, 2**31 - 1),
+                                          1: (2**31 - 1, 2**31 - 1)}[members]
+            layer["qkv_bias"] = rnd((HEADS + 2 * KVH) * D).bfloat16()
+            layer["w_in"], layer["w_post"] = rnd(H).abs() + 0.5, rnd(H).abs() + 0.5
+            self.layers.append(layer)
+        self.w_final = rnd(H).abs() + 0.5
+        self.x_in = torch.empty(b, H, dtype=torch.bfloat16, device="cuda")
+        self.x = torch.empty_like(self.x_in)
+        ang = torch.rand(b, D // 2, device="cuda", generator=g) * 100
+        self.cos = torch.cat((ang, ang), -1).cos().bfloat16()
+        self.sin = torch.cat((ang, ang), -1).sin().bfloat16()
+        self.col = S - 7
+        self.slot = torch.tensor([self.col], device="cuda")
+        self.kc = torch.empty(2, b, KVH, S, D, dtype=torch.bfloat16, device="cuda")
+        self.vc = torch.empty_like(self.kc)
+        self.valid = torch.zeros(b, S, dtype=torch.bool, device="cuda")
+        self.valid[:, : S - 6] = True
+        self.valid[0, 3] = False
+        self.mask = attention_mask(self.valid, b, HEADS // KVH, S, torch.bfloat16)
+        self.ws = torch.empty(64 * b * 6144, device="cuda")  # split-K workspace shared by every GEMM
+
+    def fresh(self, seed: int) -> None:
+        g = torch.Generator("cuda").manual_seed(seed)
+        self.x_in.copy_(torch.randn(self.b, H, device="cuda", generator=g))
+        self.kc.copy_(torch.randn(self.kc.shape, device="cuda", generator=g))
+        self.vc.copy_(torch.randn(self.vc.shape, device="cuda", generator=g))
+
+    def _lora(self, ops, layer, name, x):
+        n1, n2 = layer[name + "_edges"]
+        return LoraTerm(ops.lora_shrink(x, layer[name + "_a"]), layer[name + "_b"], R, n1, n2)
+
+    def run(self, ops, kernels: bool) -> torch.Tensor:
+        """The chain; ``kernels``: NVFP4 GEMMs (small, wgmma, dequantize + cuBLAS), else float GEMMs."""
+        from engine.kernels import nvfp4_gemm as gemm
+
+        def mm(h, layer, name, route):
+            p, wt = layer[name]
+            if not kernels:
+                return (h.float() @ wt).bfloat16()
+            out = torch.empty(h.shape[0], p.n, dtype=torch.bfloat16, device="cuda")
+            if route == "small":
+                return gemm.gemm_small_into(h, p, out, workspace=self.ws)
+            if route == "wg":
+                return gemm.gemm_wg_into(h, p, out, workspace=self.ws)
+            w = gemm.dequant_into(p, torch.empty(p.n, p.k, dtype=torch.bfloat16, device="cuda"))
+            return gemm._scaled_mm(h, w.t(), p.alpha_value)
+
+        self.x.copy_(self.x_in)  # a memcpy before the first fused kernel
+        x, h = ops.add_rmsnorm(self.x, None, None, None, self.layers[0]["w_in"], 1e-6)
+        for i, L in enumerate(self.layers):
+            q = ops.qkv_rope_cache(mm(h, L, "qkv", "small"), L["qkv_bias"], self._lora(ops, L, "qkv", h), self.cos,
+                                   self.sin, self.kc[i], self.vc[i], self.slot, heads=HEADS, kv_heads=KVH, d=D)
+            o = decode_attention(q, self.kc[i], self.vc[i], self.mask)
+            x, h = ops.add_rmsnorm(x, mm(o, L, "o", "cublas"), None, self._lora(ops, L, "o", o), L["w_post"], 1e-6)
+            a = ops.silu_mul(mm(h, L, "gu", "wg"), None, self._lora(ops, L, "gu", h))
+            w_next = self.layers[i + 1]["w_in"] if i + 1 < len(self.layers) else self.w_final
+            x, h = ops.add_rmsnorm(x, mm(a, L, "down", "small"), None, self._lora(ops, L, "down", a), w_next, 1e-6)
+        new_kv = [c[:, :, :, self.col].transpose(0, 1).reshape(self.b, -1) for c in (self.kc, self.vc)]
+        return torch.cat([x, h, *new_kv], dim=-1)
+
+
+def _graph(chain: _Chain, ops) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain.run(ops, True)  # warm-up (cuBLAS handle, workspaces) outside the capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=side):
+            out = chain.run(ops, True)
+    torch.cuda.current_stream().wait_stream(side)
+    return g, out
+
+
+@pytest.mark.parametrize("b", [1, 5])
+def test_pdl_chain_in_graph_equals_pdl_off_and_reference(ops, b, monkeypatch):
+    chain = _Chain(b, seed=b)
+    monkeypatch.setenv("QERL_PDL", "1")
+    g_on, out_on = _graph(chain, ops)
+    monkeypatch.setenv("QERL_PDL", "0")
+    g_off, out_off = _graph(chain, ops)
+    for trial in range(3):
+        chain.fresh(100 * b + trial)
+        ref = chain.run(TorchOps(), False).float()
+        chain.fresh(100 * b + trial)
+        monkeypatch.setenv("QERL_PDL", "0")
+        eager_off = chain.run(ops, True).clone()
+        chain.fresh(100 * b + trial)
+        monkeypatch.setenv("QERL_PDL", "1")
+        eager_on = chain.run(ops, True).clone()
+        chain.fresh(100 * b + trial)
+        g_on.replay()
+        got_on = out_on.clone()
+        chain.fresh(100 * b + trial)
+        g_off.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(eager_on, eager_off), f"trial {trial}: eager PDL on != off"
+        assert torch.equal(got_on, out_off), f"trial {trial}: graph PDL on != off"
+        # cuBLAS may pick another algorithm under capture: graph against eager within rounding
+        diff = ((got_on.float() - eager_on.float()).norm() / eager_on.float().norm()).item()
+        assert diff < 1e-2, f"trial {trial}: graph vs eager norm-relative difference {diff:.2e}"
+        rel = ((got_on.float() - ref).norm() / ref.norm()).item()
+        assert rel < 3e-2, f"trial {trial}: norm-relative error vs TorchOps + float GEMMs {rel:.2e}"
+
+
+# -- bias + LoRA in the NVFP4 GEMM's epilogue ------------------------------------------------------
+@pytest.mark.parametrize("n,k", [(1024, 1024), (3584, 18944), (1000, 1008)])
+def test_gemm_epilogue_equals_gemm_then_expand(ops, n, k):
+    """gemm_small_into(bias=, lora=) = the GEMM, then CudaOps' expand kernel (same bits), and
+    TorchOps' epilogue over a float64 product within bf16 rounding; both output writers (split K
+    or not), one and two LoRA members."""
+    from engine.kernels import nvfp4_gemm as gemm
+    from engine.rollout.fused_ops import _proj
+    from tests.test_kernels_gpu import make_layer
+
+    p, wref, gscale = make_layer(n, k, seed=n + k)
+    g = torch.Generator("cuda").manual_seed(k)
+    r = 16
+    for m in (1, 3, 8, 16):
+        x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+        exact = ((x.double() @ wref.double().t()) / gscale.double()).bfloat16()  # the product, rounded once
+        for members in (1, 2):
+            edges = (n // 2, 2**31 - 1) if members == 2 else (2**31 - 1, 2**31 - 1)
+            lora = LoraTerm(torch.randn(m, members * r, device="cuda", generator=g),
+                            torch.randn(r, n, device="cuda", generator=g) * 0.05, r, *edges)
+            for bias in (None, torch.randn(n, device="cuda", generator=g).bfloat16()):
+                for splits in (1, None):
+                    ws = torch.full((p.kg * m * p.ntiles * 16,), float("nan"), device="cuda")
+                    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                    got = gemm.gemm_small_into(x, p, out, splits=splits, workspace=ws, bias=bias, lora=lora)
+                    what = f"{n}x{k} M={m} members={members} bias={bias is not None} splits={splits}"
+                    assert not torch.isnan(got).any(), f"{what}: unwritten outputs"
+                    y = gemm.gemm_small_into(x, p, torch.empty_like(out), splits=splits, workspace=ws)
+                    expand = torch.empty_like(out)
+                    ops._check(ops.lib.qerl_lora_expand(y.data_ptr(), None if bias is None else bias.data_ptr(),
+                                                        *ops._lora(lora), expand.data_ptr(), m, n, n,
+                                                        torch.cuda.current_stream().cuda_stream), "expand")
+                    assert torch.equal(got, expand), f"{what}: differs from GEMM + expand kernel"
+                    ref = _proj(exact, bias, lora).float()
+                    err = (got.float() - ref).abs()
+                    bound = (ref.abs() + exact.float().abs()) * 2.0**-7 + 1e-4 * ref.abs().max()  # ulps of both
+                    assert (err <= bound).all(), f"{what}: max err/bound {(err / bound).max().item():.2f}"
+                    assert int(p.counters.abs().sum()) == 0, "split-K tickets must be reset"
+    assert gemm.matmul_epilogue(torch.randn(64, k, device="cuda").bfloat16(), p, None, None) is None  # not small-M
+    want = gemm.gemm_small_into(x, p, torch.empty(x.shape[0], n, dtype=torch.bfloat16, device="cuda"), bias=bias,
+                                lora=lora)
+    assert torch.equal(gemm.matmul_epilogue(x, p, bias, lora), want)
