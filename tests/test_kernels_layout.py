@@ -93,3 +93,45 @@ def test_custom_ops_pass_opcheck():
     dy = torch.randn(3, 32, generator=gen).bfloat16()
     torch.library.opcheck(torch.ops.qerl.nvfp4_mm_t.default, (dy, p.wq, p.n, p.k, p.alpha_value))
     assert not kernels.available(x)
+
+
+def test_kernel_cache_key_covers_local_headers(tmp_path):
+    """A kernel file's cache key includes the local headers it includes (once each, nested too),
+    so editing a shared header rebuilds every file that uses it; the shipped files resolve."""
+    from pathlib import Path
+
+    from engine.kernels._build import _with_headers
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.cuh").write_text('#include "sub/b.cuh"\nA_BODY\n')
+    (tmp_path / "sub" / "b.cuh").write_text("B_BODY\n")
+    src = tmp_path / "k.cu"
+    src.write_text('#include <cuda_runtime.h>\n#include "a.cuh"\n  # include "a.cuh"\nK_BODY\n')
+    text = _with_headers(src)
+    assert [text.count(x) for x in ("K_BODY", "A_BODY", "B_BODY")] == [1, 1, 1]
+    before = text
+    (tmp_path / "sub" / "b.cuh").write_text("B_BODY changed\n")
+    assert _with_headers(src) != before
+    root = Path(kernels.__file__).parent.parent
+    for cu in ("kernels/nvfp4_gemm.cu", "rollout/fused_decode.cu", "rollout/decode_attention.cu"):
+        assert "griddepcontrol.wait" in _with_headers(root / cu)  # each uses kernels/pdl.cuh
+
+
+@pytest.mark.skipif(__import__("engine.kernels._build", fromlist=["_nvcc"])._nvcc() is None, reason="needs nvcc")
+def test_kernel_files_build_and_export_their_entry_points(tmp_path, monkeypatch):
+    """Every CUDA file builds with nvcc for sm_90a (no GPU needed) and exports the C functions its
+    Python side declares: a kernel change that does not compile fails here, on CPU machines too."""
+    import ctypes
+
+    from engine.kernels import _build
+    from engine.rollout import attention, fused_ops
+
+    monkeypatch.setenv("QERL_CACHE_DIR", str(tmp_path))
+    builds = [(_build.SOURCE, "qerl_nvfp4", _build.FLAGS, list(_build._SIGNATURES)),
+              (fused_ops.SOURCE, "qerl_fused_decode", fused_ops.FLAGS, list(fused_ops._SIGNATURES)),
+              (attention.SOURCE, "qerl_decode_attention", attention.FLAGS,
+               ["qerl_decode_attention", "qerl_decode_attention_error_string"])]
+    for source, stem, flags, names in builds:
+        lib = ctypes.CDLL(str(_build.compile_cached(source, stem, flags, stem)))
+        for name in names:
+            assert hasattr(lib, name), f"{source.name} does not export {name}"

@@ -2,8 +2,9 @@
 
 The CUDA file includes no torch headers and exports plain C functions, so it builds in seconds
 with nvcc alone and does not depend on torch's C++ ABI; the result is cached under
-``$QERL_CACHE_DIR/kernels`` (or ``~/.cache/qerl/kernels``) by a hash of the source, the flags and
-the compiler's version. Importing this module needs neither a compiler nor a GPU.
+``$QERL_CACHE_DIR/kernels`` (or ``~/.cache/qerl/kernels``) by a hash of the source (with the
+local headers it includes), the flags and the compiler's version. Importing this module needs
+neither a compiler nor a GPU.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -52,14 +54,28 @@ def _cache_dir() -> Path:
     return base / "kernels"
 
 
+def _with_headers(source: Path, seen: set[Path] | None = None) -> str:
+    """The source's text followed by that of the local headers it includes (``#include "..."``),
+    so that editing a header rebuilds every kernel file that uses it."""
+    seen = set() if seen is None else seen
+    seen.add(source.resolve())
+    text = source.read_text()
+    parts = [text]
+    for name in re.findall(r'^\s*#\s*include\s+"([^"]+)"', text, flags=re.MULTILINE):
+        header = (source.parent / name).resolve()
+        if header not in seen:
+            parts.append(_with_headers(header, seen))
+    return "\n".join(parts)
+
+
 def compile_cached(source: Path, stem: str, flags: list[str], what: str) -> Path:
-    """``nvcc flags source`` into a shared library cached by a hash of the source, the flags and
-    the compiler's version (``$QERL_CACHE_DIR/kernels/{stem}_{hash}.so``); written atomically."""
+    """``nvcc flags source`` into a shared library cached by a hash of the source (with its local
+    headers), the flags and the compiler's version (``$QERL_CACHE_DIR/kernels/{stem}_{hash}.so``); written atomically."""
     nvcc = _nvcc()
     if nvcc is None:
         raise RuntimeError(f"nvcc not found: install the CUDA toolkit or set CUDA_HOME to build the {what}")
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
-    digest = hashlib.sha256((source.read_text() + " ".join(flags) + version).encode()).hexdigest()[:16]
+    digest = hashlib.sha256((_with_headers(source) + " ".join(flags) + version).encode()).hexdigest()[:16]
     out_dir = _cache_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / f"{stem}_{digest}.so"

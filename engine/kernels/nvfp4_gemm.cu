@@ -34,7 +34,7 @@
 // eager decoder's order: the product rounded to bf16, + bias in bf16, + delta in fp32
 // (delta[row, col] = s[row, m*r .. m*r+r-1] . b[:, col], m the column's member), rounded once more.
 //
-// Programmatic dependent launch (PDL): the kernels are launched with programmatic stream
+// Programmatic dependent launch (PDL, pdl.cuh): the kernels are launched with programmatic stream
 // serialization (unless QERL_PDL=0 at launch time), so their blocks may start while the previous
 // kernel of the stream drains. A kernel reads only weights and scales (constant) before
 // griddepcontrol.wait, which returns once the previous kernel has finished and its writes are
@@ -44,8 +44,8 @@
 // direct predecessor has finished.
 #include <cuda_runtime.h>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
+
+#include "pdl.cuh"
 
 namespace {
 
@@ -55,12 +55,7 @@ constexpr int kWarps = 8;
 
 __device__ __forceinline__ uint32_t rotr(uint32_t x, int s) { return __funnelshift_r(x, x, s); }
 
-// Wait for the previous kernel of the stream (its writes visible), then let the next one start.
-// A second call returns at once.
-__device__ __forceinline__ void pdl_wait_then_release() {
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
+using qerl::pdl_wait_then_release;
 
 // 8 codes -> 4 bf16x2 holding e2m1 * 2^-126 (exact).
 __device__ __forceinline__ void unpack8(uint32_t q, uint32_t& r0, uint32_t& r1, uint32_t& r2,
@@ -854,26 +849,9 @@ struct Variant {
   int smem;
 };
 
-// QERL_PDL=0 (read at every launch) turns programmatic dependent launch off.
-bool pdl_enabled() {
-  const char* v = getenv("QERL_PDL");
-  return v == nullptr || strcmp(v, "0") != 0;
-}
-
 // fn<<<grid, block, smem, stream>>>(args) with PDL if enabled.
 cudaError_t launch(const void* fn, dim3 grid, dim3 block, int smem, void* stream, void** args) {
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = (size_t)smem;
-  cfg.stream = static_cast<cudaStream_t>(stream);
-  cfg.attrs = &attr;
-  cfg.numAttrs = pdl_enabled() ? 1 : 0;
-  cudaError_t err = cudaLaunchKernelExC(&cfg, fn, args);
-  return err != cudaSuccess ? err : cudaGetLastError();
+  return qerl::launch_pdl(fn, grid, block, (size_t)smem, stream, args);
 }
 
 template <int MT, int TNW>

@@ -14,15 +14,14 @@
 // block) combines the splits in split order, so results do not depend on the order blocks
 // finish in.
 //
-// Programmatic dependent launch: launched with programmatic stream serialization (unless
-// QERL_PDL=0 at launch time); the kernel touches memory only after griddepcontrol.wait and
-// releases its dependents after it.
+// Launched with programmatic dependent launch (../kernels/pdl.cuh): the kernel touches memory
+// only after griddepcontrol.wait and releases its dependents after it.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+
+#include "../kernels/pdl.cuh"
 
 typedef __nv_bfloat16 bf16;
 
@@ -58,8 +57,7 @@ decode_attention_kernel(const bf16* __restrict__ q, const bf16* __restrict__ kc,
   __shared__ float sm_m[kMaxSplits * kMaxRep], sm_l[kMaxSplits * kMaxRep];
   __shared__ int last;
 
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  qerl::pdl_wait_then_release();
 
   const int split = blockIdx.x, g = blockIdx.y, b = blockIdx.z, splits = gridDim.x, kvh = gridDim.y;
   const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
@@ -259,27 +257,12 @@ decode_attention_kernel(const bf16* __restrict__ q, const bf16* __restrict__ kc,
   }
 }
 
-bool pdl_enabled() {
-  const char* v = getenv("QERL_PDL");
-  return v == nullptr || strcmp(v, "0") != 0;
-}
-
 template <int D>
-cudaError_t launch(dim3 grid, cudaStream_t stream, const bf16* q, const bf16* kc, const bf16* vc, long long cache_row,
+cudaError_t launch(dim3 grid, void* stream, const bf16* q, const bf16* kc, const bf16* vc, long long cache_row,
                    long long cache_head, const uint8_t* valid, int ld_valid, bf16* out, float* ws, int* counters,
                    int n_rep, int s, int tiles_per_split, float scale_log2) {
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(kThreads);
-  cfg.stream = stream;
-  cfg.attrs = &attr;
-  cfg.numAttrs = pdl_enabled() ? 1 : 0;
-  cudaError_t err = cudaLaunchKernelEx(&cfg, decode_attention_kernel<D>, q, kc, vc, cache_row, cache_head, valid,
-                                       ld_valid, out, ws, counters, n_rep, s, tiles_per_split, scale_log2);
-  return err != cudaSuccess ? err : cudaGetLastError();
+  return qerl::launch_pdl(decode_attention_kernel<D>, grid, dim3(kThreads), 0, stream, q, kc, vc, cache_row,
+                          cache_head, valid, ld_valid, out, ws, counters, n_rep, s, tiles_per_split, scale_log2);
 }
 
 }  // namespace
@@ -297,7 +280,7 @@ int qerl_decode_attention(const void* q, const void* kc, const void* vc, long lo
       (long long)splits * tiles_per_split * kKeys < s || (long long)(splits - 1) * tiles_per_split * kKeys >= s)
     return (int)cudaErrorInvalidValue;
   const dim3 grid(splits, kv_heads, rows);
-  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  void* st = stream;
   const bf16 *qq = static_cast<const bf16*>(q), *k = static_cast<const bf16*>(kc), *v = static_cast<const bf16*>(vc);
   const uint8_t* va = static_cast<const uint8_t*>(valid);
   bf16* o = static_cast<bf16*>(out);

@@ -7,26 +7,15 @@
 // RoPE is three bf16 ops (x*cos, rotate_half(x)*sin, their sum). Only reduction orders differ.
 // Plain C entry points (no torch headers), launched on the caller's stream.
 //
-// Programmatic dependent launch (PDL): every kernel is launched with programmatic stream
-// serialization (unless QERL_PDL=0 at launch time), so its blocks may start while the previous
-// kernel in the stream drains. Each kernel reads nothing an earlier kernel writes and writes
-// nothing before griddepcontrol.wait (which returns once the previous kernel has finished and its
-// writes are visible; at once when the launch was not programmatic), and signals
-// launch_dependents only after that wait: so when a kernel starts, every kernel but its direct
-// predecessor has finished, whoever launched them.
+// Every kernel is launched with programmatic dependent launch (../kernels/pdl.cuh: its rules).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+
+#include "../kernels/pdl.cuh"
 
 typedef __nv_bfloat16 bf16;
-
-// Wait for the previous kernel of the stream (its writes visible), then let the next one start.
-__device__ __forceinline__ void pdl_wait_then_release() {
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
+using qerl::pdl_wait_then_release;
 
 __device__ __forceinline__ float rb(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 __device__ __forceinline__ float ld(const bf16* p) { return __bfloat162float(*p); }
@@ -220,27 +209,10 @@ __global__ void silu_mul_kernel(const bf16* __restrict__ gu, const bf16* __restr
 
 namespace {
 
-// QERL_PDL=0 (read at every launch) turns programmatic dependent launch off.
-bool pdl_enabled() {
-  const char* v = getenv("QERL_PDL");
-  return v == nullptr || strcmp(v, "0") != 0;
-}
-
 // kernel<<<grid, block, 0, stream>>>(args...), with PDL if enabled.
 template <typename... Params, typename... Args>
 cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, void* stream, Args... args) {
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = static_cast<cudaStream_t>(stream);
-  cfg.attrs = &attr;
-  cfg.numAttrs = pdl_enabled() ? 1 : 0;
-  cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
-  return err != cudaSuccess ? err : cudaGetLastError();
+  return qerl::launch_pdl(kernel, grid, block, 0, stream, args...);
 }
 
 }  // namespace
