@@ -20,8 +20,9 @@ changes is how a decode token is computed:
   compressed-tensors buffers are dropped, training reads the same operand); bf16 weights become
   views into one concatenated tensor. The LoRA stays unmerged: its shrink is one launch per
   group on the concatenated A's, its expand runs inside the group's epilogue kernel on the
-  members' B's (scaling folded in; for o and down on NVFP4 at small batch, inside the GEMM), refreshed from the live parameters at the start of every
-  call, like the RMSNorm weights with their AQN noise (no re-quantization).
+  members' B's (scaling folded in; for o and down on NVFP4 at small batch, inside the GEMM),
+  refreshed from the live parameters at the start of every call, like the RMSNorm weights with
+  their AQN noise (no re-quantization).
 - the element-wise work between GEMMs (bias and LoRA epilogues, residual add + RMSNorm,
   RoPE + cache write, SiLU * up) is one fused kernel per group on Hopper (fused_ops.CudaOps);
   attention is one split-key kernel per layer (engine.rollout.attention), SDPA elsewhere.
@@ -397,6 +398,7 @@ class GraphRollout:
         # Tokens stay on the GPU for ``every`` steps, then are recorded in one copy.
         every = self._sync_every(generator)
         at, cols, pending = list(range(n)), list(range(n)), []
+        rows_at = None  # at on the GPU while it is not 0..len(at)-1 (made once per change: no copy per step)
         cancelled = False
         for t in range(params.max_new_tokens):
             nxt, lp = sample_next(logits, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
@@ -419,16 +421,15 @@ class GraphRollout:
                     if nb < b:
                         self._compact(torch.tensor(at, device=dev))
                         at, b = list(range(len(at))), nb
-            dense = at == list(range(len(at)))
-            if dense:
+                    rows_at = None if at == list(range(len(at))) else torch.tensor(at, device=dev)
+            if rows_at is None:
                 self.tok[:len(at)].copy_(nxt)
             else:
-                rows_at = torch.tensor(at, device=dev)
                 self.tok.index_copy_(0, rows_at, nxt)
             self._run_step(b, slot)
             slot += 1
             self.stats.steps += 1
-            logits = self.logits[:len(at)] if dense else self.logits.index_select(0, rows_at)
+            logits = self.logits[:len(at)] if rows_at is None else self.logits.index_select(0, rows_at)
         self.stats.decode_s += _now(dev) - t1
         outs = rows.completions(prompts)
         self.stats.tokens += sum(len(c.token_ids) for c in outs)
