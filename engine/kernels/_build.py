@@ -96,27 +96,28 @@ def compile_cached(source: Path, stem: str, flags: list[str], what: str) -> Path
     return target
 
 
-def build(verbose: bool = False) -> Path:
-    """Compile the kernels (or reuse the cached build) and return the shared library's path."""
-    target = compile_cached(SOURCE, "qerl_nvfp4", FLAGS, "NVFP4 kernels")
-    if verbose:
-        log.info("kernels at %s", target)
-    return target
+def load_library(source: Path, stem: str, flags: list[str], what: str, signatures: dict[str, list],
+                 error_string: str, fallback: str) -> ctypes.CDLL | None:
+    """``source`` built (``compile_cached``) and loaded, each exported function's argument types
+    set from ``signatures`` (``error_string`` returns a C string, the others an int error code);
+    None, with one warning naming ``fallback``, when it cannot be built or loaded here."""
+    try:
+        lib = ctypes.CDLL(str(compile_cached(source, stem, flags, what)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("%s unavailable, using %s: %s", what, fallback, exc)
+        return None
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_char_p if name == error_string else ctypes.c_int
+    return lib
 
 
 @lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
-    """The loaded kernels, or None (with one warning) when they cannot be built here."""
-    try:
-        lib = ctypes.CDLL(str(build()))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("NVFP4 CUDA kernels unavailable, using the torch reference: %s", exc)
-        return None
-    for name, argtypes in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes = argtypes
-        fn.restype = ctypes.c_char_p if name == "qerl_nvfp4_error_string" else ctypes.c_int
-    return lib
+    """The loaded NVFP4 kernels, or None (with one warning) when they cannot be built here."""
+    return load_library(SOURCE, "qerl_nvfp4", FLAGS, "NVFP4 CUDA kernels", _SIGNATURES, "qerl_nvfp4_error_string",
+                        "the torch reference")
 
 
 def check(lib: ctypes.CDLL, err: int, what: str) -> None:

@@ -16,7 +16,6 @@ import ctypes
 import logging
 import math
 import os
-import subprocess
 from functools import lru_cache
 from pathlib import Path
 
@@ -88,23 +87,18 @@ class KernelAttention:
 
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-_SIGNATURE = [_P, _P, _P, _L, _L, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P]
+_SIGNATURES = {
+    "qerl_decode_attention": [_P, _P, _P, _L, _L, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P],
+    "qerl_decode_attention_error_string": [_I],
+}
 
 
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    from engine.kernels._build import compile_cached
+    from engine.kernels._build import load_library
 
-    try:
-        lib = ctypes.CDLL(str(compile_cached(SOURCE, "qerl_decode_attention", FLAGS, "decode attention kernel")))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("decode attention kernel unavailable, using SDPA: %s", exc)
-        return None
-    lib.qerl_decode_attention.argtypes = _SIGNATURE
-    lib.qerl_decode_attention.restype = ctypes.c_int
-    lib.qerl_decode_attention_error_string.argtypes = [_I]
-    lib.qerl_decode_attention_error_string.restype = ctypes.c_char_p
-    return lib
+    return load_library(SOURCE, "qerl_decode_attention", FLAGS, "decode attention kernel", _SIGNATURES,
+                        "qerl_decode_attention_error_string", "SDPA")
 
 
 def kernel_supported(device: torch.device, dtype: torch.dtype, *, heads: int, kv_heads: int, head_dim: int) -> bool:

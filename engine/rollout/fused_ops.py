@@ -14,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import subprocess
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -215,24 +214,12 @@ _SIGNATURES = {
 }
 
 
-def _build() -> Path:
-    from engine.kernels._build import compile_cached
-
-    return compile_cached(SOURCE, "qerl_fused_decode", FLAGS, "fused decode kernels")
-
-
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    try:
-        lib = ctypes.CDLL(str(_build()))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("fused decode kernels unavailable, using torch ops: %s", exc)
-        return None
-    for name, argtypes in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes = argtypes
-        fn.restype = ctypes.c_char_p if name == "qerl_fused_error_string" else ctypes.c_int
-    return lib
+    from engine.kernels._build import load_library
+
+    return load_library(SOURCE, "qerl_fused_decode", FLAGS, "fused decode kernels", _SIGNATURES,
+                        "qerl_fused_error_string", "torch ops")
 
 
 def pick_ops(device: torch.device, dtype: torch.dtype, *, qk_norm: bool, head_dim: int,
