@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.rollout.fused_ops import LoraTerm, TorchOps, attention_mask, decode_attention, pick_ops
+from engine.rollout.attention import attention_mask, decode_attention
+from engine.rollout.fused_ops import LoraTerm, TorchOps, pick_ops
 
 pytestmark = [
     pytest.mark.gpu,

@@ -20,8 +20,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
-
-from engine.rollout.fused_ops import attention_mask, decode_attention
+import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
@@ -42,11 +41,27 @@ def splits_for(rows: int, kv_heads: int, s: int) -> tuple[int, int]:
     return -(-tiles // per), per
 
 
+def attention_mask(valid: torch.Tensor, b: int, n_rep: int, s: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive key mask of a decode step, (B, 1, n_rep, S): 0 where a cache column is
+    valid, -inf elsewhere. The same for every layer, so a step builds it once."""
+    mask = torch.zeros(b, 1, n_rep, s, dtype=dtype, device=valid.device)
+    return mask.masked_fill_(~valid[:b, None, None, :s], float("-inf"))
+
+
+def decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q (B, heads, D) over the cache columns of ``mask`` (``attention_mask``) -> (B, heads * D),
+    grouped heads as one SDPA call (the n_rep query heads of a kv head are its query rows)."""
+    b, heads, d = q.shape
+    kvh, s = kc.shape[1], mask.shape[-1]
+    o = F.scaled_dot_product_attention(q.view(b, kvh, heads // kvh, d), kc[:b, :, :s], vc[:b, :, :s], attn_mask=mask)
+    return o.reshape(b, heads * d)
+
+
 class SdpaAttention:
     name = "sdpa"
 
     def __init__(self) -> None:
-        self._mask: tuple | None = None
+        self._mask: torch.Tensor | None = None
 
     def begin_step(self, valid: torch.Tensor, b: int, n_rep: int, s: int, dtype: torch.dtype) -> None:
         """Build the step's mask (shared by every layer)."""
