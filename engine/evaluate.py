@@ -19,7 +19,7 @@ def evaluate(model: Any, tokenizer: Any, prompts: list[list[int]], items: list[d
              sampling: Any, *, max_batch: int = 64,
              should_stop: Callable[[], bool] | None = None) -> dict[str, float] | None:
     """``eval/*`` metrics (see engine.metrics), or None when ``should_stop`` cut decoding short."""
-    from engine.rollout import generate
+    from engine.rollout.backend import native_generate
 
     if not prompts:
         return {}
@@ -30,8 +30,8 @@ def evaluate(model: Any, tokenizer: Any, prompts: list[list[int]], items: list[d
     model.eval()
     try:
         with torch.no_grad():
-            completions = generate(model, tokenizer, prompts, greedy, generator=generator,
-                                   should_stop=should_stop, max_batch=max_batch)
+            completions = native_generate(model, tokenizer, prompts, greedy, generator=generator,
+                                          should_stop=should_stop, max_batch=max_batch)
     finally:
         model.train(was_training)
     if any(c.finish_reason == "cancelled" for c in completions):

@@ -9,14 +9,17 @@ The train loop talks to one ``RolloutBackend``:
   prefix computed under the old weights;
 - ``close()`` at the end of the job.
 
-``rollout.backend``: "native" samples with the trainer's own model (engine.rollout.native; sync
-has nothing to do, the sampler reads the live weights); "vllm" runs an in-process vLLM engine on
-the same base (engine.rollout.vllm_backend); "auto" picks vLLM when it is installed, native
-otherwise.
+``rollout.backend``: "native" samples with the trainer's own model (sync has nothing to do, the
+sampler reads the live weights): on a GPU through the CUDA-graph engine (engine.rollout.cuda_graph:
+static KV cache, fused kernels, the NVFP4 base's one copy shared with training), elsewhere through
+the eager sampler (engine.rollout.native); QERL_ROLLOUT_ENGINE=graph or eager picks one for any
+device. "vllm" runs an in-process vLLM engine on the same base (engine.rollout.vllm_backend);
+"auto" picks vLLM when it is installed, native otherwise.
 """
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -38,8 +41,35 @@ class RolloutBackend(Protocol):
     def close(self) -> None: ...
 
 
+def native_engine(model: Any) -> str:
+    """"graph" (engine.rollout.cuda_graph) for a model on a GPU, "eager" (engine.rollout.native)
+    elsewhere, unless QERL_ROLLOUT_ENGINE says graph or eager."""
+    choice = os.environ.get("QERL_ROLLOUT_ENGINE", "auto")
+    if choice not in ("auto", "graph", "eager"):
+        raise ValueError(f"QERL_ROLLOUT_ENGINE must be auto, graph or eager; got {choice!r}")
+    if choice == "auto":
+        return "graph" if model.device.type == "cuda" else "eager"
+    return choice
+
+
+def native_generate(model: Any, tokenizer: Any, prompts: list[list[int]], params: SamplingParams, *,
+                    generator: torch.Generator | None, should_stop: Callable[[], bool] | None = None,
+                    max_batch: int = 64, dense_base: bool | None = None) -> list[Completion]:
+    """One Completion per prompt from the model's own sampler (``native_engine`` picks which);
+    the engines keep the same contract (engine.rollout.batching)."""
+    if native_engine(model) == "graph":
+        from engine.rollout.cuda_graph import generate as graph_generate
+
+        return graph_generate(model, tokenizer, prompts, params, generator=generator, should_stop=should_stop,
+                              max_batch=max_batch)
+    from engine.rollout.native import generate
+
+    return generate(model, tokenizer, prompts, params, generator=generator, should_stop=should_stop,
+                    max_batch=max_batch, dense_base=dense_base)
+
+
 class NativeBackend:
-    """The trainer's own model and KV-cache sampler."""
+    """The trainer's own model and sampler (``native_generate``)."""
 
     name = "native"
 
@@ -49,10 +79,8 @@ class NativeBackend:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, *, generator: torch.Generator | None,
                  should_stop: Callable[[], bool] | None = None) -> list[Completion]:
-        from engine.rollout.native import generate
-
-        return generate(self.model, self.tokenizer, prompts, params, generator=generator, should_stop=should_stop,
-                        max_batch=self.max_batch, dense_base=self.dense_base)
+        return native_generate(self.model, self.tokenizer, prompts, params, generator=generator,
+                               should_stop=should_stop, max_batch=self.max_batch, dense_base=self.dense_base)
 
     def sync(self, step: int) -> None:
         """Nothing to push: the sampler runs on the live model."""
@@ -90,4 +118,5 @@ def make_rollout_backend(spec: RolloutSpec, model: Any, tokenizer: Any, *, workd
     return NativeBackend(model, tokenizer, max_batch=spec.max_batch)
 
 
-__all__ = ["RolloutBackend", "NativeBackend", "make_rollout_backend", "vllm_available", "resolve_backend_name"]
+__all__ = ["RolloutBackend", "NativeBackend", "make_rollout_backend", "native_engine", "native_generate",
+           "vllm_available", "resolve_backend_name"]

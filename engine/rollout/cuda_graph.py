@@ -13,8 +13,8 @@ changes is how a decode token is computed:
   (bucket, attention length rounded up to ``len_bucket``). Sampling stays eager and on the
   GPU; the host reads the sampled tokens once every ``sync_every`` steps (eos, stop strings,
   length, ``should_stop``), so the GPU does not wait for the host in between. Rows that end
-  inside such a window are sampled on to its end and the extra tokens dropped. With a CPU
-  generator the host reads every step (same generator use as the eager sampler).
+  inside such a window are sampled on to its end and the extra tokens dropped. Sampling with a
+  CPU generator, the host reads every step (same generator use as the eager sampler).
 - q/k/v and gate/up run as one GEMM each: NVFP4 weights repacked once into one fused kernel
   operand, whose row ranges become the members' only copy (NVFP4Linear.make_resident: the
   compressed-tensors buffers are dropped, training reads the same operand); bf16 weights become
@@ -354,13 +354,13 @@ class GraphRollout:
                     new += 1
         return new
 
-    def _sync_every(self, generator: torch.Generator | None) -> int:
-        """Decode steps between two reads of the sampled tokens by the host: 1 with a CPU
-        generator on a GPU model (sampling reads every step anyway, and the eager sampler's use
-        of the generator is kept), else ``sync_every``."""
-        if generator is not None and generator.device.type == "cpu" and self.device.type == "cuda":
-            return 1
-        return self.sync_every
+    def _sync_every(self, generator: torch.Generator | None, temperature: float) -> int:
+        """Decode steps between two reads of the sampled tokens by the host: 1 when sampling
+        with a CPU generator (the host has each step's tokens anyway, and the eager sampler's
+        use of the generator is kept: the same tokens for the same seed), else ``sync_every``
+        (greedy decoding uses no generator)."""
+        cpu_rng = generator is not None and generator.device.type == "cpu" and temperature > 0
+        return 1 if cpu_rng else self.sync_every
 
     def _compact(self, rows: torch.Tensor) -> None:
         """Move cache rows ``rows`` to the front, in that order."""
@@ -396,7 +396,7 @@ class GraphRollout:
         rows = Rows(tokenizer, params, eos, n)
         # Sampled entry j of a step is cache row at[j]; cols[i] is the entry of live row i.
         # Tokens stay on the GPU for ``every`` steps, then are recorded in one copy.
-        every = self._sync_every(generator)
+        every = self._sync_every(generator, params.temperature)
         at, cols, pending = list(range(n)), list(range(n)), []
         rows_at = None  # at on the GPU while it is not 0..len(at)-1 (made once per change: no copy per step)
         cancelled = False
