@@ -70,7 +70,8 @@ def _with_headers(source: Path, seen: set[Path] | None = None) -> str:
 
 def compile_cached(source: Path, stem: str, flags: list[str], what: str) -> Path:
     """``nvcc flags source`` into a shared library cached by a hash of the source (with its local
-    headers), the flags and the compiler's version (``$QERL_CACHE_DIR/kernels/{stem}_{hash}.so``); written atomically."""
+    headers), the flags and the compiler's version (``$QERL_CACHE_DIR/kernels/{stem}_{hash}.so``);
+    written atomically."""
     nvcc = _nvcc()
     if nvcc is None:
         raise RuntimeError(f"nvcc not found: install the CUDA toolkit or set CUDA_HOME to build the {what}")

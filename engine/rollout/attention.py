@@ -13,7 +13,6 @@ blocks that walk the keys one tile after another, the kernel splits the keys ove
 from __future__ import annotations
 
 import ctypes
-import logging
 import math
 import os
 from functools import lru_cache
@@ -22,10 +21,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger(__name__)
+from engine.rollout.fused_ops import FLAGS
 
 SOURCE = Path(__file__).with_name("decode_attention.cu")
-FLAGS = ["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC"]
 KEYS = 64  # keys per tile (kKeys in the kernel)
 MAX_REP = 8
 KERNEL_GROUPS = 16  # the kernel while rows x kv heads <= this: it measured faster there, SDPA above

@@ -12,7 +12,6 @@ Rows are decode rows (one token each): x (B, H), q (B, heads, D), caches (B_max,
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -22,8 +21,6 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.layers import apply_rope
-
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("fused_decode.cu")
 FLAGS = ["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC"]
