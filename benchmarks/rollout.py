@@ -14,8 +14,9 @@ kernels read them, LoRA, lm_head, KV) to give the bandwidth limit.
         --bandwidth --json out.json
     python3 benchmarks/rollout.py --sizes 7b --methods hf --batches 1,8 --ranks 0 --gen 256
 
-``--profile`` prints, for batch 1, the GPU time per kernel of a few replayed decode steps
-(torch.profiler), grouped by kind (GEMM, LoRA, attention, element-wise, sampling).
+``--profile`` prints, for batch 1 and 8, the GPU time per kernel of a few replayed decode steps
+(torch.profiler), grouped by kind (GEMM, LoRA, attention, element-wise, sampling), and the wall
+time, GPU time, top kernels and top host ops of one prefill.
 """
 from __future__ import annotations
 
@@ -142,6 +143,45 @@ def profile_steps(eng: GraphRollout, tok, prompts, args, steps: int = 16) -> dic
     return {"ms_per_step_by_kind": by_kind, "top": top}
 
 
+def profile_prefill(eng: GraphRollout, prompts) -> dict:
+    """Wall time, GPU kernel time and the top kernels and host ops of one prefill (the
+    left-padded prompts into the engine's cache, as a rollout runs it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.rollout.batching import left_pad
+
+    ids, mask = left_pad(prompts, 0)
+    ids, mask = ids.cuda(), mask.cuda()
+
+    def once():
+        with torch.no_grad():
+            eng.refresh()
+            eng._prefill(ids, mask)
+
+    once()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    once()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        once()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    dev = lambda ev: getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0.0)  # noqa: E731
+    gpu_ms = sum(dev(ev) for ev in events) / 1e3
+    kernels = sorted((ev for ev in events if dev(ev) > 0), key=lambda ev: -dev(ev))[:12]
+    host = sorted(events, key=lambda ev: -ev.self_cpu_time_total)[:12]
+    print(f"prefill B={len(prompts)} x {ids.shape[1]}: wall {wall * 1e3:.1f} ms, GPU kernels {gpu_ms:.1f} ms", flush=True)
+    for ev in kernels:
+        print(f"   gpu {dev(ev) / 1e3:8.2f} ms {ev.count:6d}x  {ev.key[:100]}", flush=True)
+    for ev in host:
+        print(f"   cpu {ev.self_cpu_time_total / 1e3:8.2f} ms {ev.count:6d}x  {ev.key[:100]}", flush=True)
+    return {"wall_ms": wall * 1e3, "gpu_ms": gpu_ms,
+            "kernels": [(ev.key[:100], dev(ev) / 1e3, ev.count) for ev in kernels],
+            "host": [(ev.key[:100], ev.self_cpu_time_total / 1e3, ev.count) for ev in host]}
+
+
 def run_hf(size: str, b: int, args, log) -> dict:
     """Hugging Face transformers' generate with a static cache (bf16, no LoRA), same prompts."""
     import transformers
@@ -215,6 +255,7 @@ def run_config(model, method: str, size: str, r: int, b: int, args, log) -> dict
         best["bytes"] = bytes_per_token(eng, b, max_len)
     if args.profile and cuda and b in (1, 8):
         best["profile"] = profile_steps(eng, tok, prompts, args)
+        best["profile_prefill"] = profile_prefill(eng, prompts)
     del eng
     log(best)
     return best

@@ -207,7 +207,7 @@ def test_gemm_epilogue_equals_gemm_then_expand(ops, n, k):
     TorchOps' epilogue over a float64 product within bf16 rounding; both output writers (split K
     or not), one and two LoRA members."""
     from engine.kernels import nvfp4_gemm as gemm
-    from engine.rollout.fused_ops import _proj
+    from engine.rollout.fused_ops import apply_epilogue
     from tests.test_kernels_gpu import make_layer
 
     p, wref, gscale = make_layer(n, k, seed=n + k)
@@ -233,7 +233,7 @@ def test_gemm_epilogue_equals_gemm_then_expand(ops, n, k):
                                                         *ops._lora(lora), expand.data_ptr(), m, n, n,
                                                         torch.cuda.current_stream().cuda_stream), "expand")
                     assert torch.equal(got, expand), f"{what}: differs from GEMM + expand kernel"
-                    ref = _proj(exact, bias, lora).float()
+                    ref = apply_epilogue(exact, bias, lora).float()
                     err = (got.float() - ref).abs()
                     bound = (ref.abs() + exact.float().abs()) * 2.0**-7 + 1e-4 * ref.abs().max()  # ulps of both
                     assert (err <= bound).all(), f"{what}: max err/bound {(err / bound).max().item():.2f}"

@@ -107,6 +107,36 @@ def test_cpu_engine_cancel_and_length_checks():
         eng.generate(tok, [[1] * 30], SamplingParams(max_new_tokens=8))
 
 
+@pytest.mark.parametrize(("device", "quantization"), [
+    ("cpu", "nvfp4"), ("cpu", "bf16"),
+    pytest.param("cuda", "nvfp4", marks=gpu), pytest.param("cuda", "bf16", marks=gpu)])
+def test_engine_prefill_matches_the_model_forward(monkeypatch, device, quantization):
+    """The engine's prefill (fused groups, rows = prompt tokens, in chunks of sequences) fills
+    the cache and gives the last-token logits as the model's forward with a KVCache does."""
+    from engine.rollout import cuda_graph
+    from engine.rollout.batching import left_pad
+
+    monkeypatch.setattr(cuda_graph, "PREFILL_ROWS", 20)  # 2 sequences per chunk: 3 chunks
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    m = _model(quantization, device=device, dtype=dtype)
+    ids, mask = (t.to(device) for t in left_pad(_prompts(5), 0))  # (5, 9), left-padded
+    n, t = ids.shape
+    with torch.no_grad():
+        cache = m.new_cache(n, 32)
+        want = m.logits(m(ids, mask, cache)[:, -1]).float()
+        eng = GraphRollout(m, max_batch=8, max_len=32)
+        eng.refresh()
+        eng.kc.fill_(float("nan"))
+        got = eng._prefill(ids, mask)
+    atol, rtol = (1e-4, 1e-4) if device == "cpu" else (0.05, 0.02)
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+    assert torch.equal(eng.valid[:n, :t], cache.valid[:, :t]) and not eng.valid[:n, t:].any()
+    assert eng.pos[:n].tolist() == cache.next_pos.tolist() and int(eng.slot) == t
+    for i in range(m.config.num_layers):
+        torch.testing.assert_close(eng.kc[i, :n, :, :t], cache.k[i][:, :, :t], atol=atol, rtol=rtol)
+        torch.testing.assert_close(eng.vc[i, :n, :, :t], cache.v[i][:, :, :t], atol=atol, rtol=rtol)
+
+
 # -- GPU ----------------------------------------------------------------------------------------
 @gpu
 @pytest.mark.parametrize("quantization", ["nvfp4", "bf16"])

@@ -23,6 +23,9 @@ changes is how a decode token is computed:
   members' B's (scaling folded in; for o and down on NVFP4 at small batch, inside the GEMM),
   refreshed from the live parameters at the start of every call, like the RMSNorm weights with
   their AQN noise (no re-quantization).
+- the prompts are prefilled through the same groups and element-wise ops with one row per prompt
+  token (``_prefill``, eager, in chunks of sequences): the same function as the model's forward
+  with a cache, in a few launches per layer instead of the eager model's hundred-odd small ops.
 - the element-wise work between GEMMs (bias and LoRA epilogues, residual add + RMSNorm,
   RoPE + cache write, SiLU * up) is one fused kernel per group on Hopper (fused_ops.CudaOps);
   attention is one split-key kernel per layer (engine.rollout.attention), SDPA elsewhere.
@@ -41,10 +44,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.lora import LoRALinear
-from engine.model.cache import KVCache
 from engine.quant.base import FrozenLinear
 from engine.rollout.attention import pick_attention
-from engine.rollout.fused_ops import CudaOps, LoraTerm, pick_ops
+from engine.rollout.fused_ops import CudaOps, LoraTerm, TorchOps, apply_epilogue, pick_ops
 from engine.rollout.batching import Rows, check_prompts, eos_ids, left_pad, sub_batches
 from engine.rollout.params import Completion, SamplingParams
 from engine.rollout.sampler import sample_next
@@ -53,6 +55,10 @@ log = logging.getLogger(__name__)
 
 GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj",)),
           ("mlp", ("gate_proj", "up_proj")), ("mlp", ("down_proj",)))
+
+
+PREFILL_ROWS = 8192  # prompt tokens per prefill chunk
+_MATMUL_OPS = TorchOps()  # the LoRA shrink as a matmul
 
 
 def _bucket(n: int, cap: int) -> int:
@@ -237,6 +243,7 @@ class GraphRollout:
                                           norm_in=layer.input_layernorm, norm_post=layer.post_attention_layernorm,
                                           q_norm=layer.self_attn.q_norm, k_norm=layer.self_attn.k_norm))
             self.w_final = torch.empty(cfg.hidden_size, dtype=torch.float32, device=self.device)
+            self.inv_freq = model.inv_freq.to(self.device)  # a non-persistent buffer: may be left on the CPU
             shape = (cfg.num_layers, max_batch, cfg.num_kv_heads, max_len, cfg.head_dim)
             self.kc = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self.vc = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -271,7 +278,7 @@ class GraphRollout:
         heads, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
         self.valid[:b].index_fill_(1, self.slot, True)
-        freqs = self.pos[:b, None].float() * self.model.inv_freq  # (B, D/2)
+        freqs = self.pos[:b, None].float() * self.inv_freq  # (B, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)  # (B, D)
         x = self.model.model.embed_tokens(self.tok[:b])  # (B, H)
@@ -290,6 +297,59 @@ class GraphRollout:
         self.logits[:b].copy_(F.linear(h, self.model.lm_head.weight))
         self.pos[:b] += 1
         self.slot += 1
+
+    # -- prefill: the prompt tokens of sequences [0, n) through the same fused groups ---------
+    def _prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Write the caches of rows [0, n) for the left-padded prompts ``ids`` / ``mask`` (n, T)
+        and return the logits (n, V) of their last tokens. The same computation as the model's
+        forward with a cache, through the engine's fused groups and element-wise ops (one GEMM
+        per group, the LoRA and AQN weights as refreshed), with rows = tokens: a few launches per
+        layer instead of the eager model's hundred-odd small ops. Sequences go in chunks of at
+        most PREFILL_ROWS tokens (bounds activation memory and grid sizes)."""
+        n, t = ids.shape
+        m = mask.to(torch.bool)
+        self.valid[:n, :t] = m
+        pos = (torch.cumsum(m.long(), dim=1) - 1).clamp(min=0)  # (n, T), as KVCache.begin
+        self.slot.zero_()
+        per = max(1, PREFILL_ROWS // t)
+        out = []
+        for r0 in range(0, n, per):
+            r1 = min(n, r0 + per)
+            out.append(self._prefill_rows(ids[r0:r1], pos[r0:r1], r0))
+        self.pos[:n].copy_(m.long().sum(dim=1))
+        self.slot.fill_(t)
+        return torch.cat(out)
+
+    def _prefill_rows(self, ids: torch.Tensor, pos: torch.Tensor, r0: int) -> torch.Tensor:
+        from engine.model.decoder import _mask
+        from engine.model.layers import _attention
+
+        cfg, ops = self.cfg, self.ops
+        heads, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        n, t = ids.shape
+        r1 = r0 + n
+        freqs = pos.reshape(-1, 1).float() * self.inv_freq  # (n*T, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        attn_mask = _mask(self.valid[r0:r1, :t], t, 0)  # (n, 1, T, T)
+        eps = cfg.rms_norm_eps
+        x = self.model.model.embed_tokens(ids.reshape(-1))  # (n*T, H)
+        x, h = ops.add_rmsnorm(x, None, None, None, self.layers[0].w_in, eps)
+        last = len(self.layers) - 1
+        for i, L in enumerate(self.layers):
+            kc, vc = self.kc[i, r0:r1], self.vc[i, r0:r1]
+            q = ops.qkv_rope_cache(_dense_epilogue(L.qkv, h), None, None, cos, sin, kc, vc, self.slot,
+                                   heads=heads, kv_heads=kvh, d=d, q_norm=L.q_norm, k_norm=L.k_norm, seq=t)
+            q, mq = q.view(n, t, heads, d).transpose(1, 2), attn_mask
+            if i == last:  # only the last tokens feed the logits: the rest of the layer for them alone
+                q, mq, x = q[:, :, -1:], attn_mask[:, :, -1:], x.view(n, t, -1)[:, -1].contiguous()
+            o = _attention(q, kc[:, :, :t], vc[:, :, :t], mq)  # (n, heads, T or 1, D)
+            o = o.transpose(1, 2).reshape(x.shape[0], heads * d)
+            x, h = ops.add_rmsnorm(x, _dense_epilogue(L.o, o), None, None, L.w_post, eps)
+            a = ops.silu_mul(_dense_epilogue(L.gu, h), None, None)
+            w_next = self.layers[i + 1].w_in if i < last else self.w_final
+            x, h = ops.add_rmsnorm(x, _dense_epilogue(L.down, a), None, None, w_next, eps)
+        return self.model.lm_head(h).float()
 
     def _add_rmsnorm(self, g: _Group, inp: torch.Tensor, x: torch.Tensor, w: torch.Tensor):
         """x + projection g of inp (bias, LoRA), then RMSNorm with weight w: (x, normed). An NVFP4
@@ -384,13 +444,9 @@ class GraphRollout:
         self.valid.zero_()
         self.pos.zero_()
         self.tok.zero_()
-        cache = _cache_view(self, n)
         t0 = _now(dev)
-        hidden = model(ids.to(dev), mask.to(dev), cache)[:, -1]  # (n, H)
-        self.pos[:n].copy_(cache.next_pos)
-        self.slot.fill_(cache.length)
-        slot = cache.length
-        logits = model.logits(hidden).float()
+        logits = self._prefill(ids.to(dev), mask.to(dev))  # (n, V) fp32
+        slot = ids.shape[1]
         t1 = _now(dev)
         self.stats.prefill_s += t1 - t0
         rows = Rows(tokenizer, params, eos, n)
@@ -458,6 +514,14 @@ class GraphRollout:
             model.train(was_training)
 
 
+def _dense_epilogue(g: _Group, x: torch.Tensor) -> torch.Tensor:
+    """Group g's output for many rows (prefill): GEMM, then bias and LoRA as the eager epilogue
+    with the LoRA as two matmuls (the decode kernels' per-element expand costs r loads per
+    output, too many for thousands of rows)."""
+    lora = g.lora_term(_MATMUL_OPS, x)
+    return apply_epilogue(g.base(x), g.bias, lora) if lora is not None or g.bias is not None else g.base(x)
+
+
 def _record(rows: Rows, pending: list[tuple[torch.Tensor, torch.Tensor]], cols: list[int]) -> list[int]:
     """Record a window of sampled steps (one host copy); live row i reads entry cols[i] of
     each step. Returns the entries of the rows still live."""
@@ -476,18 +540,6 @@ def _now(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
-
-
-def _cache_view(engine: GraphRollout, n: int) -> KVCache:
-    """A KVCache over rows [0, n) of the engine's static buffers, for the eager prefill."""
-    cache = KVCache.__new__(KVCache)
-    cache.k = [engine.kc[i, :n] for i in range(engine.cfg.num_layers)]
-    cache.v = [engine.vc[i, :n] for i in range(engine.cfg.num_layers)]
-    cache.valid = engine.valid[:n]
-    cache.next_pos = torch.zeros(n, dtype=torch.long, device=engine.device)
-    cache.length = 0
-    cache.max_len = engine.max_len
-    return cache
 
 
 def engine_for(model: nn.Module, *, max_batch: int = 64, max_len: int = 2048, **kwargs) -> GraphRollout:

@@ -123,21 +123,23 @@ __global__ void __launch_bounds__(kShrinkThreads)
 }
 
 // grid (rows, heads + 2 * kv_heads), block head_dim. q heads -> q_out (rows, heads, D) roped;
-// k heads roped and v heads as they are -> the caches at column *slot.
+// k heads roped and v heads as they are -> the caches. Row r is token r % seq of cache row r / seq
+// and goes to column *slot + r % seq (decode: seq = 1, one token per cache row; prefill: seq
+// tokens per sequence).
 __global__ void qkv_rope_cache_kernel(const bf16* __restrict__ y, const bf16* __restrict__ bias, const Lora L,
                                       const bf16* __restrict__ cos_t,
                                       const bf16* __restrict__ sin_t, bf16* __restrict__ q_out, bf16* kc, bf16* vc,
                                       const int64_t* __restrict__ slot, int heads, int kv_heads, int d,
-                                      long long cache_row, long long cache_head, int ld_y) {
+                                      long long cache_row, long long cache_head, int ld_y, int seq) {
   pdl_wait_then_release();
   const long long row = blockIdx.x;
   const int h = blockIdx.y;
   const int t = threadIdx.x;
   if (t >= d) return;
-  const long long s = *slot;
+  const long long crow = row / seq, s = *slot + row % seq;
   const float x = proj(y, bias, L, row, h * d + t, ld_y);
   if (h >= heads + kv_heads) {
-    vc[row * cache_row + (long long)(h - heads - kv_heads) * cache_head + s * d + t] = __float2bfloat16_rn(x);
+    vc[crow * cache_row + (long long)(h - heads - kv_heads) * cache_head + s * d + t] = __float2bfloat16_rn(x);
     return;
   }
   const int half = d / 2;
@@ -148,7 +150,7 @@ __global__ void qkv_rope_cache_kernel(const bf16* __restrict__ y, const bf16* __
   if (h < heads) {
     q_out[(row * heads + h) * d + t] = o;
   } else {
-    kc[row * cache_row + (long long)(h - heads) * cache_head + s * d + t] = o;
+    kc[crow * cache_row + (long long)(h - heads) * cache_head + s * d + t] = o;
   }
 }
 
@@ -244,12 +246,12 @@ int qerl_lora_expand(const void* y, const void* bias, LORA_ARGS, void* out, int 
 
 int qerl_qkv_rope_cache(const void* y, const void* bias, LORA_ARGS, const void* cos_t, const void* sin_t,
                         void* q_out, void* kc, void* vc, const void* slot, int rows, int heads, int kv_heads, int d,
-                        long long cache_row, long long cache_head, int ld_y, void* stream) {
-  if (d > 1024 || d % 2) return (int)cudaErrorInvalidValue;
+                        long long cache_row, long long cache_head, int ld_y, int seq, void* stream) {
+  if (d > 1024 || d % 2 || seq < 1 || rows % seq) return (int)cudaErrorInvalidValue;
   const dim3 grid(rows, heads + 2 * kv_heads);
   return (int)launch(qkv_rope_cache_kernel, grid, dim3(d), stream, (const bf16*)y, (const bf16*)bias, LORA_MAKE,
                      (const bf16*)cos_t, (const bf16*)sin_t, (bf16*)q_out, (bf16*)kc, (bf16*)vc,
-                     (const int64_t*)slot, heads, kv_heads, d, cache_row, cache_head, ld_y);
+                     (const int64_t*)slot, heads, kv_heads, d, cache_row, cache_head, ld_y, seq);
 }
 
 int qerl_add_rmsnorm(void* x, const void* y, const void* bias, LORA_ARGS, const void* w, float eps, void* out,

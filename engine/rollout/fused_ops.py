@@ -7,7 +7,9 @@ plus its bias and LoRA term and apply the eager epilogue (bias in bf16, then LoR
 LoRA term is a ``LoraTerm``: the shrink x @ A^T (one launch, ``lora_shrink``) and B, whose
 expand CudaOps does inside the epilogue kernel instead of as a matmul of its own.
 
-Rows are decode rows (one token each): x (B, H), q (B, heads, D), caches (B_max, kv, S, D).
+Rows are decode rows (one token each): x (B, H), q (B, heads, D), caches (B_max, kv, S, D); a
+prefill passes ``seq`` tokens per sequence as consecutive rows (qkv_rope_cache writes them to
+columns slot .. slot + seq - 1 of their sequence's cache row).
 """
 from __future__ import annotations
 
@@ -46,7 +48,8 @@ class LoraTerm:
         return torch.cat(parts, dim=-1)
 
 
-def _proj(y: torch.Tensor, bias: torch.Tensor | None, lora: LoraTerm | None) -> torch.Tensor:
+def apply_epilogue(y: torch.Tensor, bias: torch.Tensor | None, lora: LoraTerm | None) -> torch.Tensor:
+    """A projection's raw output y plus bias (bf16 add) plus LoRA delta (fp32, rounded once)."""
     if bias is not None:
         y = y + bias.to(y.dtype)
     if lora is not None:
@@ -63,29 +66,31 @@ class TorchOps:
         return torch.mm(x.float(), a.t())
 
     def qkv_rope_cache(self, y, bias, lora, cos, sin, kc, vc, slot, *, heads: int, kv_heads: int, d: int,
-                       q_norm=None, k_norm=None) -> torch.Tensor:
-        b = y.shape[0]
-        y = _proj(y, bias, lora)
-        q = y[:, :heads * d].view(b, heads, d)
-        k = y[:, heads * d:(heads + kv_heads) * d].view(b, kv_heads, d)
-        v = y[:, (heads + kv_heads) * d:].view(b, kv_heads, d)
+                       q_norm=None, k_norm=None, seq: int = 1) -> torch.Tensor:
+        rows = y.shape[0]
+        y = apply_epilogue(y, bias, lora)
+        q = y[:, :heads * d].view(rows, heads, d)
+        k = y[:, heads * d:(heads + kv_heads) * d].view(rows, kv_heads, d)
+        v = y[:, (heads + kv_heads) * d:].view(rows, kv_heads, d)
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
-        c, s = cos[:, None], sin[:, None]  # (B, 1, D)
+        c, s = cos[:, None], sin[:, None]  # (rows, 1, D)
         q, k = apply_rope(q, c, s), apply_rope(k, c, s)
-        kc[:b].index_copy_(2, slot, k[:, :, None])
-        vc[:b].index_copy_(2, slot, v[:, :, None])
+        b = rows // seq
+        cols = slot + torch.arange(seq, device=slot.device)
+        kc[:b].index_copy_(2, cols, k.view(b, seq, kv_heads, d).transpose(1, 2))
+        vc[:b].index_copy_(2, cols, v.view(b, seq, kv_heads, d).transpose(1, 2))
         return q
 
     def add_rmsnorm(self, x, y, bias, lora, w, eps: float):
         if y is not None:
-            x = x + _proj(y, bias, lora)
+            x = x + apply_epilogue(y, bias, lora)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
         return x, (h * w).to(x.dtype)
 
     def silu_mul(self, gu, bias, lora):
-        gu = _proj(gu, bias, lora)
+        gu = apply_epilogue(gu, bias, lora)
         g, u = gu.chunk(2, dim=-1)
         return F.silu(g) * u
 
@@ -145,7 +150,7 @@ class CudaOps:
         return s
 
     def qkv_rope_cache(self, y, bias, lora, cos, sin, kc, vc, slot, *, heads: int, kv_heads: int, d: int,
-                       q_norm=None, k_norm=None) -> torch.Tensor:
+                       q_norm=None, k_norm=None, seq: int = 1) -> torch.Tensor:
         if q_norm is not None:
             raise ValueError("the fused decode path has no per-head q/k norm; use TorchOps")
         b = y.shape[0]
@@ -153,7 +158,7 @@ class CudaOps:
         q = torch.empty(b, heads, d, dtype=y.dtype, device=y.device)
         err = self.lib.qerl_qkv_rope_cache(
             _ptr(y), _ptr(bias), *self._lora(lora), _ptr(cos), _ptr(sin), _ptr(q), _ptr(kc), _ptr(vc), _ptr(slot), b,
-            heads, kv_heads, d, kc.stride(0), kc.stride(1), y.shape[1], self._stream(y))
+            heads, kv_heads, d, kc.stride(0), kc.stride(1), y.shape[1], seq, self._stream(y))
         self._check(err, "fused q/k/v epilogue")
         return q
 
@@ -187,7 +192,7 @@ _LORA = [_P, _P, _I, _I, _I, _I, _I]
 _SIGNATURES = {
     "qerl_lora_shrink": [_P, _I, _P, _P, _P, _P, _I, _I, _I, _P],
     "qerl_qkv_rope_cache": [_P, _P, *_LORA, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_longlong,
-                            ctypes.c_longlong, _I, _P],
+                            ctypes.c_longlong, _I, _I, _P],
     "qerl_add_rmsnorm": [_P, _P, _P, *_LORA, _P, ctypes.c_float, _P, _I, _I, _P],
     "qerl_silu_mul": [_P, _P, *_LORA, _P, _I, _I, _P],
     "qerl_lora_expand": [_P, _P, *_LORA, _P, _I, _I, _I, _P],
