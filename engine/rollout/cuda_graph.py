@@ -46,7 +46,7 @@ from torch import nn
 from engine.lora import LoRALinear
 from engine.quant.base import FrozenLinear
 from engine.rollout.attention import pick_attention
-from engine.rollout.fused_ops import CudaOps, LoraTerm, TorchOps, apply_epilogue, pick_ops
+from engine.rollout.fused_ops import CudaOps, LoraTerm, TorchOps, pick_ops
 from engine.rollout.batching import Rows, check_prompts, eos_ids, left_pad, sub_batches
 from engine.rollout.params import Completion, SamplingParams
 from engine.rollout.sampler import sample_next
@@ -58,7 +58,12 @@ GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj"
 
 
 PREFILL_ROWS = 8192  # prompt tokens per prefill chunk
-_MATMUL_OPS = TorchOps()  # the LoRA shrink as a matmul
+PREFILL_KERNEL_SHRINK_ROWS = 64  # above: the prefill's LoRA shrinks as fp32 matmuls
+_MATMUL_OPS = TorchOps()
+# gate/up's LoRA expand goes into its NVFP4 GEMM's epilogue up to this many rows (the epilogue
+# runs in the split-K column's last block, one thread per output: its r loads per output cost
+# more latency than a launch from a few rows on); then SiLU * up and the down shrink are one launch.
+GU_EPILOGUE_ROWS = 2
 
 
 def _bucket(n: int, cap: int) -> int:
@@ -175,11 +180,18 @@ class _Group:
             return torch.matmul(x, self.weight.t())
         return torch.cat([b._matmul(x) for b in self.bases], dim=-1)
 
+    @property
+    def a(self) -> torch.Tensor | None:
+        """The concatenated A's (the shrink's operand), None without LoRA."""
+        return self.a_cat if self.lora else None
+
+    def term(self, s: torch.Tensor | None) -> LoraTerm | None:
+        """The LoRA term whose shrink (input @ A_cat^T) is s; its expand runs in the epilogue."""
+        return None if s is None else LoraTerm(s, self.b_pack, self.r, self.n1, self.n2)
+
     def lora_term(self, ops, x: torch.Tensor) -> LoraTerm | None:  # noqa: ANN001 - TorchOps | CudaOps
         """The LoRA term of input x (B, K): its shrink now, its expand in the epilogue; or None."""
-        if not self.lora:
-            return None
-        return LoraTerm(ops.lora_shrink(x, self.a_cat), self.b_pack, self.r, self.n1, self.n2)
+        return self.term(ops.lora_shrink(x, self.a_cat)) if self.lora else None
 
 
 @dataclass
@@ -282,18 +294,22 @@ class GraphRollout:
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)  # (B, D)
         x = self.model.model.embed_tokens(self.tok[:b])  # (B, H)
-        x, h = ops.add_rmsnorm(x, None, None, None, self.layers[0].w_in, eps)
+        # The shrink (x @ A^T) of a LoRA term is computed by the kernel that makes x (norm, SiLU *
+        # up) where there is one: s_qkv, s_gu, s_down; only o's input comes from attention.
+        x, h, s_qkv = ops.add_rmsnorm_shrink(x, None, None, None, self.layers[0].w_in, eps, self.layers[0].qkv.a)
         self.attention.begin_step(self.valid, b, heads // kvh, s, self.dtype)
         n = len(self.layers)
         for i, L in enumerate(self.layers):
-            q = ops.qkv_rope_cache(L.qkv.base(h), L.qkv.bias, L.qkv.lora_term(ops, h), cos, sin, self.kc[i],
+            q = ops.qkv_rope_cache(L.qkv.base(h), L.qkv.bias, L.qkv.term(s_qkv), cos, sin, self.kc[i],
                                    self.vc[i], self.slot, heads=heads, kv_heads=kvh, d=d, q_norm=L.q_norm,
                                    k_norm=L.k_norm)
             o = self.attention(q, self.kc[i], self.vc[i], self.valid, s)  # (B, heads * D)
-            x, h = self._add_rmsnorm(L.o, o, x, L.w_post)
-            a = ops.silu_mul(L.gu.base(h), L.gu.bias, L.gu.lora_term(ops, h))
-            w_next = self.layers[i + 1].w_in if i + 1 < n else self.w_final
-            x, h = self._add_rmsnorm(L.down, a, x, w_next)
+            x, h, s_gu = ops.add_rmsnorm_shrink(x, *self._project(L.o, o, L.o.lora_term(ops, o)), L.w_post, eps,
+                                                L.gu.a)
+            a, s_down = ops.silu_mul_shrink(*self._project(L.gu, h, L.gu.term(s_gu), GU_EPILOGUE_ROWS), L.down.a)
+            nxt = self.layers[i + 1] if i + 1 < n else None
+            x, h, s_qkv = ops.add_rmsnorm_shrink(x, *self._project(L.down, a, L.down.term(s_down)),
+                                                 nxt.w_in if nxt else self.w_final, eps, nxt.qkv.a if nxt else None)
         self.logits[:b].copy_(F.linear(h, self.model.lm_head.weight))
         self.pos[:b] += 1
         self.slot += 1
@@ -332,38 +348,37 @@ class GraphRollout:
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
         attn_mask = _mask(self.valid[r0:r1, :t], t, 0)  # (n, 1, T, T)
+        shrink = ops if n * t <= PREFILL_KERNEL_SHRINK_ROWS else _MATMUL_OPS  # LoRA shrink: kernel or matmul
         eps = cfg.rms_norm_eps
         x = self.model.model.embed_tokens(ids.reshape(-1))  # (n*T, H)
         x, h = ops.add_rmsnorm(x, None, None, None, self.layers[0].w_in, eps)
         last = len(self.layers) - 1
         for i, L in enumerate(self.layers):
             kc, vc = self.kc[i, r0:r1], self.vc[i, r0:r1]
-            q = ops.qkv_rope_cache(_dense_epilogue(L.qkv, h), None, None, cos, sin, kc, vc, self.slot,
+            q = ops.qkv_rope_cache(L.qkv.base(h), L.qkv.bias, L.qkv.lora_term(shrink, h), cos, sin, kc, vc, self.slot,
                                    heads=heads, kv_heads=kvh, d=d, q_norm=L.q_norm, k_norm=L.k_norm, seq=t)
             q, mq = q.view(n, t, heads, d).transpose(1, 2), attn_mask
             if i == last:  # only the last tokens feed the logits: the rest of the layer for them alone
                 q, mq, x = q[:, :, -1:], attn_mask[:, :, -1:], x.view(n, t, -1)[:, -1].contiguous()
             o = _attention(q, kc[:, :, :t], vc[:, :, :t], mq)  # (n, heads, T or 1, D)
             o = o.transpose(1, 2).reshape(x.shape[0], heads * d)
-            x, h = ops.add_rmsnorm(x, _dense_epilogue(L.o, o), None, None, L.w_post, eps)
-            a = ops.silu_mul(_dense_epilogue(L.gu, h), None, None)
+            x, h = ops.add_rmsnorm(x, L.o.base(o), L.o.bias, L.o.lora_term(shrink, o), L.w_post, eps)
+            a = ops.silu_mul(L.gu.base(h), L.gu.bias, L.gu.lora_term(shrink, h))
             w_next = self.layers[i + 1].w_in if i < last else self.w_final
-            x, h = ops.add_rmsnorm(x, _dense_epilogue(L.down, a), None, None, w_next, eps)
+            x, h = ops.add_rmsnorm(x, L.down.base(a), L.down.bias, L.down.lora_term(shrink, a), w_next, eps)
         return self.model.lm_head(h).float()
 
-    def _add_rmsnorm(self, g: _Group, inp: torch.Tensor, x: torch.Tensor, w: torch.Tensor):
-        """x + projection g of inp (bias, LoRA), then RMSNorm with weight w: (x, normed). An NVFP4
-        group whose GEMM runs the small-M kernel adds bias and LoRA in that kernel's epilogue
-        instead of in a launch of their own."""
-        ops, eps = self.ops, self.cfg.rms_norm_eps
-        lora = g.lora_term(ops, inp)
-        if g.mode == "nvfp4" and isinstance(ops, CudaOps):
+    def _project(self, g: _Group, inp: torch.Tensor, lora: LoraTerm | None, epilogue_rows: int = 1 << 30):
+        """Group g's GEMM of inp: (output, bias, LoRA term) with bias and LoRA still to add, or
+        (output, None, None) where an NVFP4 group's small-M kernel added them in its epilogue
+        (for at most ``epilogue_rows`` rows)."""
+        if g.mode == "nvfp4" and isinstance(self.ops, CudaOps) and inp.shape[0] <= epilogue_rows:
             from engine.kernels.nvfp4_gemm import matmul_epilogue
 
             y = matmul_epilogue(inp, g.prepared, g.bias, lora)
             if y is not None:
-                return ops.add_rmsnorm(x, y, None, None, w, eps)
-        return ops.add_rmsnorm(x, g.base(inp), g.bias, lora, w, eps)
+                return y, None, None
+        return g.base(inp), g.bias, lora
 
     def _run_step(self, b: int, slot: int) -> None:
         s = min(self.max_len, -(-(slot + 1) // self.len_bucket) * self.len_bucket)
@@ -512,14 +527,6 @@ class GraphRollout:
                                    lambda batch: self._generate_batch(tokenizer, batch, params, eos, generator, stop))
         finally:
             model.train(was_training)
-
-
-def _dense_epilogue(g: _Group, x: torch.Tensor) -> torch.Tensor:
-    """Group g's output for many rows (prefill): GEMM, then bias and LoRA as the eager epilogue
-    with the LoRA as two matmuls (the decode kernels' per-element expand costs r loads per
-    output, too many for thousands of rows)."""
-    lora = g.lora_term(_MATMUL_OPS, x)
-    return apply_epilogue(g.base(x), g.bias, lora) if lora is not None or g.bias is not None else g.base(x)
 
 
 def _record(rows: Rows, pending: list[tuple[torch.Tensor, torch.Tensor]], cols: list[int]) -> list[int]:

@@ -56,50 +56,55 @@ __global__ void lora_expand_kernel(const bf16* __restrict__ y, const bf16* __res
   out[row * n + col] = __float2bfloat16_rn(proj(y, bias, L, row, col, ld_y));
 }
 
-// grid (rtot, kb = ceil(k / 4096), ceil(rows / 8)), block 1024: s[row, j] = sum_k x[row, k] * a[j, k]
-// (fp32) for 8 rows. Each thread multiplies 4 inputs of a by those of each row; the block adds its
-// threads' products in a fixed order (warps, then across warps). With kb > 1 each block writes its
-// sums to ws (kb, rows, rtot) and takes a ticket; the last block of an output adds the kb sums in
-// block order, writes s and resets the ticket (left zero for the next call). One launch, no
-// zeroed output, the same result on every run. A is read before the PDL wait (no kernel of a
-// decode step writes it).
+// The LoRA shrink s[row, j] = sum_k x[row, k] * a[j, k] (fp32) of up to 8 rows, in blocks of
+// grid (rtot, kb = ceil(k / 4096), ceil(rows / 8)) and 1024 threads: each thread multiplies 4
+// inputs of a by those of each row; the block adds its threads' products in a fixed order
+// (warps, then across warps). With kb > 1 each block writes its sums to ws (kb, rows, rtot) and
+// takes a ticket; the last block of an output adds the kb sums in block order, writes s and
+// resets the ticket (left zero for the next call). One launch, no zeroed output, the same result
+// on every run. A is read before the PDL wait (no kernel of a decode step writes it).
+// Three kernels share it: the plain shrink, and two that first compute the inputs x themselves
+// (residual add + RMSNorm, SiLU * up), writing them out from the blocks of j = 0, so that the
+// shrink of the next projection costs no launch of its own; those two take one row per block
+// (grid (rtot, kb, rows)), so that a batch of rows costs no more latency than one.
 constexpr int kShrinkThreads = 1024, kShrinkWarps = kShrinkThreads / 32;
 constexpr int kShrinkInputs = 4 * kShrinkThreads;  // inputs per block
 
-__global__ void __launch_bounds__(kShrinkThreads)
-    lora_shrink_kernel(const bf16* __restrict__ x, int ldx, const float* __restrict__ a, float* __restrict__ s,
-                       float* __restrict__ ws, int* __restrict__ tickets, int rows, int k, int rtot) {
-  const int j = blockIdx.x, kbi = blockIdx.y, kb = gridDim.y, r0 = blockIdx.z * 8;
-  const int nr = min(8, rows - r0);
-  const int i = kbi * kShrinkInputs + threadIdx.x * 4;
-  float4 av = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (i < k) av = *reinterpret_cast<const float4*>(a + (long long)j * k + i);
-  pdl_wait_then_release();
-  float acc[8];
-#pragma unroll
-  for (int q = 0; q < 8; ++q) acc[q] = 0.f;
-  if (i < k) {  // k is a multiple of 4, rows of x and a are 8-byte aligned
-#pragma unroll
-    for (int q = 0; q < 8; ++q) {
-      if (q < nr) {
-        const uint2 raw = *reinterpret_cast<const uint2*>(x + (long long)(r0 + q) * ldx + i);
-        const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-        const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-        acc[q] = fmaf(av.x, lo.x, fmaf(av.y, lo.y, fmaf(av.z, hi.x, av.w * hi.y)));
-      }
-    }
-  }
-  __shared__ float part[8][kShrinkWarps];
+struct Shrink {
+  const float* a;  // (rtot, k) fp32
+  float* s;        // (rows, rtot) fp32
+  float* ws;       // (kb, rows, rtot) fp32 when kb > 1
+  int* tickets;    // (ceil(rows / 8), rtot) int, zero
+  int rtot;
+};
+
+// This thread's 4 inputs of row j of a (zeros past k).
+__device__ __forceinline__ float4 shrink_a(const Shrink& S, int k) {
+  const int i = blockIdx.y * kShrinkInputs + threadIdx.x * 4;
+  if (i >= k) return make_float4(0.f, 0.f, 0.f, 0.f);
+  return *reinterpret_cast<const float4*>(S.a + (long long)blockIdx.x * k + i);
+}
+
+__device__ __forceinline__ float shrink_dot(const float4& av, float x0, float x1, float x2, float x3) {
+  return fmaf(av.x, x0, fmaf(av.y, x1, fmaf(av.z, x2, av.w * x3)));
+}
+
+// Adds the threads' products acc[q] (row r0 + q, q < nr) of this block and writes s (see above);
+// the block's tickets are those of blockIdx.z.
+template <int NR>
+__device__ __forceinline__ void shrink_finish(const Shrink& S, const float (&acc)[NR], int rows, int r0, int nr) {
+  const int j = blockIdx.x, kbi = blockIdx.y, kb = gridDim.y, rtot = S.rtot;
+  __shared__ float part[NR][kShrinkWarps];
   __shared__ int is_last;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
-  for (int q = 0; q < 8; ++q) {
+  for (int q = 0; q < NR; ++q) {
     float v = acc[q];
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     if (lane == 0) part[q][warp] = v;
   }
   __syncthreads();
-  float* out = kb == 1 ? s : ws + (long long)kbi * rows * rtot;  // this block's sums
+  float* out = kb == 1 ? S.s : S.ws + (long long)kbi * rows * rtot;  // this block's sums
   if (warp < nr) {  // warp q adds row q's warp sums
     float v = part[warp][lane];
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -108,18 +113,44 @@ __global__ void __launch_bounds__(kShrinkThreads)
   if (kb == 1) return;
   __threadfence();
   __syncthreads();
-  int* ticket = tickets + blockIdx.z * rtot + j;
+  int* ticket = S.tickets + blockIdx.z * rtot + j;
   if (threadIdx.x == 0) is_last = atomicAdd(ticket, 1) == kb - 1;
   __syncthreads();
   if (!is_last) return;
   __threadfence();
   if (warp < nr) {  // lane p adds blocks p, p + 32, ...; then the warp adds its lanes
     float v = 0.f;
-    for (int b = lane; b < kb; b += 32) v += __ldcg(ws + ((long long)b * rows + r0 + warp) * rtot + j);
+    for (int b = lane; b < kb; b += 32) v += __ldcg(S.ws + ((long long)b * rows + r0 + warp) * rtot + j);
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (lane == 0) s[(long long)(r0 + warp) * rtot + j] = v;
+    if (lane == 0) S.s[(long long)(r0 + warp) * rtot + j] = v;
   }
   if (threadIdx.x == 0) *ticket = 0;
+}
+
+__device__ __forceinline__ void bf16x4(const bf16* p, float& a, float& b, float& c, float& d) {
+  const uint2 raw = *reinterpret_cast<const uint2*>(p);
+  const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+  const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+  a = lo.x, b = lo.y, c = hi.x, d = hi.y;
+}
+
+__global__ void __launch_bounds__(kShrinkThreads)
+    lora_shrink_kernel(const bf16* __restrict__ x, int ldx, const Shrink S, int rows, int k) {
+  const int r0 = blockIdx.z * 8, nr = min(8, rows - r0);
+  const int i = blockIdx.y * kShrinkInputs + threadIdx.x * 4;
+  const float4 av = shrink_a(S, k);
+  pdl_wait_then_release();
+  float acc[8];
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    acc[q] = 0.f;
+    if (q < nr && i < k) {  // k is a multiple of 4, rows of x and a are 8-byte aligned
+      float x0, x1, x2, x3;
+      bf16x4(x + (long long)(r0 + q) * ldx + i, x0, x1, x2, x3);
+      acc[q] = shrink_dot(av, x0, x1, x2, x3);
+    }
+  }
+  shrink_finish(S, acc, rows, r0, nr);
 }
 
 // grid (rows, heads + 2 * kv_heads), block head_dim. q heads -> q_out (rows, heads, D) roped;
@@ -194,6 +225,72 @@ __global__ void add_rmsnorm_kernel(bf16* x, const bf16* __restrict__ y, const bf
   }
 }
 
+// Residual add + RMSNorm (as add_rmsnorm_kernel, without a LoRA term) and the next projection's
+// shrink in one launch: grid (rtot, kb, rows), block 1024 (the shrink's). Every block computes
+// the norm of its row (the whole row, the same sums as add_rmsnorm_kernel<1024>) and the normed
+// inputs of its 4096-input range, which blocks j = 0 also write out (x_out: the new residual,
+// never x itself: other blocks still read x), and adds them times row j of a.
+__global__ void __launch_bounds__(kShrinkThreads)
+    add_rmsnorm_shrink_kernel(const bf16* __restrict__ x, const bf16* __restrict__ y, const bf16* __restrict__ bias,
+                              const float* __restrict__ w, float eps, bf16* __restrict__ x_out,
+                              bf16* __restrict__ h_out, const Shrink S, int rows, int hdim) {
+  const long long row = blockIdx.z;
+  const int i = blockIdx.y * kShrinkInputs + threadIdx.x * 4;
+  const float4 av = shrink_a(S, hdim);
+  pdl_wait_then_release();
+  const Lora none{nullptr, nullptr, 0, 0, 0, 0, 0};
+  const bf16* xr = x + row * hdim;
+  float ss = 0.f;
+  for (int e = threadIdx.x; e < hdim; e += kShrinkThreads) {
+    float v = ld(xr + e);
+    if (y) v = rb(v + proj(y, bias, none, row, e, hdim));
+    ss += v * v;
+  }
+  const float r = rsqrtf(block_sum<kShrinkThreads>(ss) / (float)hdim + eps);
+  float acc[1] = {0.f};
+  if (i < hdim) {
+    float hv[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      float v = ld(xr + i + c);
+      if (y) v = rb(v + proj(y, bias, none, row, i + c, hdim));
+      hv[c] = rb((v * r) * w[i + c]);
+      if (blockIdx.x == 0) {
+        x_out[row * hdim + i + c] = __float2bfloat16_rn(v);
+        h_out[row * hdim + i + c] = __float2bfloat16_rn(hv[c]);
+      }
+    }
+    acc[0] = shrink_dot(av, hv[0], hv[1], hv[2], hv[3]);
+  }
+  shrink_finish(S, acc, rows, (int)row, 1);
+}
+
+// SiLU * up (as silu_mul_kernel, without a LoRA term) and the down projection's shrink in one
+// launch: grid (rtot, kb = ceil(I / 4096), rows), block 1024; blocks j = 0 write out.
+__global__ void __launch_bounds__(kShrinkThreads)
+    silu_mul_shrink_kernel(const bf16* __restrict__ gu, const bf16* __restrict__ bias, bf16* __restrict__ out,
+                           const Shrink S, int rows, int inter) {
+  const long long row = blockIdx.z;
+  const int i = blockIdx.y * kShrinkInputs + threadIdx.x * 4;
+  const float4 av = shrink_a(S, inter);
+  pdl_wait_then_release();
+  const Lora none{nullptr, nullptr, 0, 0, 0, 0, 0};
+  float acc[1] = {0.f};
+  if (i < inter) {
+    float o4[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const float g = proj(gu, bias, none, row, i + c, 2 * inter);
+      const float u = proj(gu, bias, none, row, inter + i + c, 2 * inter);
+      const float sg = rb(g / (1.0f + expf(-g)));
+      o4[c] = rb(sg * u);
+      if (blockIdx.x == 0) out[row * inter + i + c] = __float2bfloat16_rn(o4[c]);
+    }
+    acc[0] = shrink_dot(av, o4[0], o4[1], o4[2], o4[3]);
+  }
+  shrink_finish(S, acc, rows, (int)row, 1);
+}
+
 // grid (ceil(I / 256), rows), block 256. gu (rows, 2I) = [gate | up] -> bf16(bf16(silu(g)) * u).
 __global__ void silu_mul_kernel(const bf16* __restrict__ gu, const bf16* __restrict__ bias, const Lora L,
                                 bf16* __restrict__ out, int inter) {
@@ -224,17 +321,47 @@ extern "C" {
 #define LORA_ARGS const void *ls, const void *lb, int lr, int lds, int ldb, int n1, int n2
 #define LORA_MAKE Lora{(const float*)ls, (const float*)lb, lr, lds, ldb, n1, n2}
 
-// s (rows, rtot) = x (rows, k; row stride ldx, bf16) @ a^T (a: rtot x k, fp32). With k > 4096, ws
-// holds ceil(k / 4096) * rows * rtot floats and tickets ceil(rows / 8) * rtot ints, all zero
-// before the first call (each call leaves them zero); unused otherwise.
-int qerl_lora_shrink(const void* x, int ldx, const void* a, void* s, void* ws, void* tickets, int rows, int k,
-                     int rtot, void* stream) {
-  if (k % 4 || ldx % 4 || rows < 1 || k < 1) return (int)cudaErrorInvalidValue;
+// The shrinks' launches: grid (rtot, ceil(k / 4096), ceil(rows / 8)) for the plain shrink, (rtot,
+// ceil(k / 4096), rows) for the fused ones. With k > 4096, ws holds ceil(k / 4096) * rows * rtot
+// floats and tickets (grid z) * rtot ints, all zero before the first call (each call leaves them
+// zero); unused otherwise.
+#define SHRINK_ARGS const void *a, void *s, void *ws, void *tickets, int rtot
+static int shrink_grid(int rows, int rows_per_block, int k, int rtot, const void* ws, const void* tickets,
+                       dim3* grid) {
+  if (k % 4 || rows < 1 || k < 1 || rtot < 1) return (int)cudaErrorInvalidValue;
   const int kb = (k + kShrinkInputs - 1) / kShrinkInputs;
   if (kb > 1 && (ws == nullptr || tickets == nullptr)) return (int)cudaErrorInvalidValue;
-  const dim3 grid(rtot, kb, (rows + 7) / 8);
-  return (int)launch(lora_shrink_kernel, grid, dim3(kShrinkThreads), stream, (const bf16*)x, ldx,
-                     (const float*)a, (float*)s, (float*)ws, (int*)tickets, rows, k, rtot);
+  *grid = dim3(rtot, kb, (rows + rows_per_block - 1) / rows_per_block);
+  return 0;
+}
+#define SHRINK_MAKE Shrink{(const float*)a, (float*)s, (float*)ws, (int*)tickets, rtot}
+
+// s (rows, rtot) = x (rows, k; row stride ldx, bf16) @ a^T (a: rtot x k, fp32).
+int qerl_lora_shrink(const void* x, int ldx, SHRINK_ARGS, int rows, int k, void* stream) {
+  dim3 grid;
+  if (ldx % 4) return (int)cudaErrorInvalidValue;
+  if (int err = shrink_grid(rows, 8, k, rtot, ws, tickets, &grid)) return err;
+  return (int)launch(lora_shrink_kernel, grid, dim3(kShrinkThreads), stream, (const bf16*)x, ldx, SHRINK_MAKE, rows,
+                     k);
+}
+
+// x_out = x + y (+ bias), h = RMSNorm(x_out) * w, s = h @ a^T (x_out must not be x).
+int qerl_add_rmsnorm_shrink(const void* x, const void* y, const void* bias, const void* w, float eps, void* x_out,
+                            void* h, SHRINK_ARGS, int rows, int hdim, void* stream) {
+  dim3 grid;
+  if (x == x_out) return (int)cudaErrorInvalidValue;
+  if (int err = shrink_grid(rows, 1, hdim, rtot, ws, tickets, &grid)) return err;
+  return (int)launch(add_rmsnorm_shrink_kernel, grid, dim3(kShrinkThreads), stream, (const bf16*)x, (const bf16*)y,
+                     (const bf16*)bias, (const float*)w, eps, (bf16*)x_out, (bf16*)h, SHRINK_MAKE, rows, hdim);
+}
+
+// out = silu(gate (+ bias)) * (up (+ bias)) for gu = [gate | up] (rows, 2 inter), s = out @ a^T.
+int qerl_silu_mul_shrink(const void* gu, const void* bias, void* out, SHRINK_ARGS, int rows, int inter,
+                         void* stream) {
+  dim3 grid;
+  if (int err = shrink_grid(rows, 1, inter, rtot, ws, tickets, &grid)) return err;
+  return (int)launch(silu_mul_shrink_kernel, grid, dim3(kShrinkThreads), stream, (const bf16*)gu, (const bf16*)bias,
+                     (bf16*)out, SHRINK_MAKE, rows, inter);
 }
 
 int qerl_lora_expand(const void* y, const void* bias, LORA_ARGS, void* out, int rows, int n, int ld_y,

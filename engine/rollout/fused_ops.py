@@ -94,6 +94,21 @@ class TorchOps:
         g, u = gu.chunk(2, dim=-1)
         return F.silu(g) * u
 
+    def add_rmsnorm_shrink(self, x, y, bias, lora, w, eps: float, a: torch.Tensor | None):
+        """add_rmsnorm, then the next projection's shrink of the normed rows (None without a)."""
+        x, h = self.add_rmsnorm(x, y, bias, lora, w, eps)
+        return x, h, None if a is None else self.lora_shrink(h, a)
+
+    def silu_mul_shrink(self, gu, bias, lora, a: torch.Tensor | None):
+        """silu_mul, then the down projection's shrink of its output (None without a)."""
+        out = self.silu_mul(gu, bias, lora)
+        return out, None if a is None else self.lora_shrink(out, a)
+
+
+@lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
@@ -133,21 +148,82 @@ class CudaOps:
             return (None, None, 0, 0, 0, 0, 0)
         return (lora.s.data_ptr(), lora.b.data_ptr(), lora.r, lora.s.stride(0), lora.b.stride(0), lora.n1, lora.n2)
 
+    def _shrink_args(self, rows: int, k: int, a: torch.Tensor, rows_per_block: int = 8) -> tuple[torch.Tensor, tuple]:
+        """The shrink's output s (rows, rtot) and its kernel arguments (a, s, ws, tickets, rtot);
+        the plain shrink takes 8 rows per block, the fused ones 1."""
+        if a.dtype != torch.float32 or not a.is_contiguous() or k % 4:
+            raise ValueError("the LoRA shrink needs a contiguous fp32 A and a multiple of 4 inputs")
+        rtot = a.shape[0]
+        s = torch.empty(rows, rtot, dtype=torch.float32, device=a.device)
+        ws = tickets = None
+        kb = -(-k // SHRINK_BLOCK_INPUTS)
+        if kb > 1:  # K split over kb blocks: their partial sums and the tickets of the last block
+            ws = torch.empty(kb * rows * rtot, dtype=torch.float32, device=a.device)
+            tickets = self._shrink_tickets(a.device, -(-rows // rows_per_block) * rtot)
+        return s, (_ptr(a), _ptr(s), _ptr(ws), _ptr(tickets), rtot)
+
     def lora_shrink(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         b, k = x.shape
         if x.dtype != torch.bfloat16 or x.stride(1) != 1 or x.stride(0) % 4 or x.data_ptr() % 8:
             x = x.to(torch.bfloat16).contiguous()
-        rtot = a.shape[0]
-        s = torch.empty(b, rtot, dtype=torch.float32, device=x.device)
-        ws = tickets = None
-        kb = -(-k // SHRINK_BLOCK_INPUTS)
-        if kb > 1:  # K split over kb blocks: their partial sums and the tickets of the last block
-            ws = torch.empty(kb * b * rtot, dtype=torch.float32, device=x.device)
-            tickets = self._shrink_tickets(x.device, -(-b // 8) * rtot)
-        err = self.lib.qerl_lora_shrink(_ptr(x), x.stride(0), _ptr(a), _ptr(s), _ptr(ws), _ptr(tickets), b, k, rtot,
-                                        self._stream(x))
+        s, args = self._shrink_args(b, k, a)
+        err = self.lib.qerl_lora_shrink(_ptr(x), x.stride(0), *args, b, k, self._stream(x))
         self._check(err, "LoRA shrink")
         return s
+
+    def _one_wave(self, rows: int, k: int, a: torch.Tensor) -> bool:
+        """Whether a fused shrink kernel (one block per row, rank row and 4096 inputs) fits in one
+        block per SM. Measured on H200 (7B shapes): at 1 row it saves the shrink's launch; at 8
+        rows (384 blocks of 1024 threads) it made the step slower than the two kernels it
+        replaces (the next NVFP4 GEMM's early-launched blocks found no room to start streaming)."""
+        index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+        return rows * a.shape[0] * -(-k // SHRINK_BLOCK_INPUTS) <= _sm_count(index)
+
+    def add_rmsnorm_shrink(self, x, y, bias, lora, w, eps: float, a: torch.Tensor | None):
+        """(x + projection, its RMSNorm h, h @ a^T) in one launch (after the expand's, with a LoRA
+        term); x is not written in place. Without a: add_rmsnorm and None; above one wave of
+        blocks: add_rmsnorm and lora_shrink."""
+        if a is None:
+            return (*self.add_rmsnorm(x, y, bias, lora, w, eps), None)
+        b, h = x.shape
+        if not self._one_wave(b, h, a):
+            x, out = self.add_rmsnorm(x, y, bias, lora, w, eps)
+            return x, out, self.lora_shrink(out, a)
+        if lora is not None:
+            y, bias = self._expand(y, bias, lora), None
+        x_out, out = torch.empty_like(x), torch.empty_like(x)
+        s, args = self._shrink_args(b, h, a, rows_per_block=1)
+        err = self.lib.qerl_add_rmsnorm_shrink(_ptr(x.contiguous()), _ptr(None if y is None else y.contiguous()),
+                                               _ptr(bias), _ptr(w), ctypes.c_float(eps), _ptr(x_out), _ptr(out),
+                                               *args, b, h, self._stream(x))
+        self._check(err, "fused residual + RMSNorm + LoRA shrink")
+        return x_out, out, s
+
+    def silu_mul_shrink(self, gu, bias, lora, a: torch.Tensor | None):
+        """(silu(gate) * up, that @ a^T) in one launch. Without a: silu_mul and None. With gate/up's
+        own LoRA term still to add (in the shrink's blocks its expand would be repeated once per
+        rank) or above one wave of blocks: silu_mul and lora_shrink."""
+        if a is None:
+            return self.silu_mul(gu, bias, lora), None
+        b, n2 = gu.shape
+        inter = n2 // 2
+        if lora is not None or not self._one_wave(b, inter, a):
+            out = self.silu_mul(gu, bias, lora)
+            return out, self.lora_shrink(out, a)
+        gu = gu.contiguous()
+        out = torch.empty(b, inter, dtype=gu.dtype, device=gu.device)
+        s, args = self._shrink_args(b, inter, a, rows_per_block=1)
+        err = self.lib.qerl_silu_mul_shrink(_ptr(gu), _ptr(bias), _ptr(out), *args, b, inter, self._stream(gu))
+        self._check(err, "fused SiLU * up + LoRA shrink")
+        return out, s
+
+    def _expand(self, y: torch.Tensor, bias: torch.Tensor | None, lora: LoraTerm) -> torch.Tensor:
+        """y + bias + the LoRA delta, rounded to y's dtype (the epilogue in a kernel of its own)."""
+        b, n = y.shape
+        out, src = torch.empty_like(y), y.contiguous()
+        err = self.lib.qerl_lora_expand(_ptr(src), _ptr(bias), *self._lora(lora), _ptr(out), b, n, n, self._stream(y))
+        self._check(err, "LoRA expand")
+        return out
 
     def qkv_rope_cache(self, y, bias, lora, cos, sin, kc, vc, slot, *, heads: int, kv_heads: int, d: int,
                        q_norm=None, k_norm=None, seq: int = 1) -> torch.Tensor:
@@ -165,11 +241,7 @@ class CudaOps:
     def add_rmsnorm(self, x, y, bias, lora, w, eps: float):
         b, h = x.shape
         if lora is not None:  # the epilogue in a kernel of many blocks first: add_rmsnorm has one per row
-            y, src = torch.empty_like(x), y.contiguous()
-            err = self.lib.qerl_lora_expand(_ptr(src), _ptr(bias), *self._lora(lora), _ptr(y), b, h, h,
-                                            self._stream(x))
-            self._check(err, "LoRA expand")
-            bias, lora = None, None
+            y, bias, lora = self._expand(y, bias, lora), None, None
         out = torch.empty_like(x)
         err = self.lib.qerl_add_rmsnorm(_ptr(x), _ptr(None if y is None else y.contiguous()), _ptr(bias),
                                         *self._lora(lora), _ptr(w), ctypes.c_float(eps), _ptr(out), b, h,
@@ -191,6 +263,8 @@ _P, _I = ctypes.c_void_p, ctypes.c_int
 _LORA = [_P, _P, _I, _I, _I, _I, _I]
 _SIGNATURES = {
     "qerl_lora_shrink": [_P, _I, _P, _P, _P, _P, _I, _I, _I, _P],
+    "qerl_add_rmsnorm_shrink": [_P, _P, _P, _P, ctypes.c_float, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P],
+    "qerl_silu_mul_shrink": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P],
     "qerl_qkv_rope_cache": [_P, _P, *_LORA, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_longlong,
                             ctypes.c_longlong, _I, _I, _P],
     "qerl_add_rmsnorm": [_P, _P, _P, *_LORA, _P, ctypes.c_float, _P, _I, _I, _P],
