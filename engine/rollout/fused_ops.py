@@ -181,8 +181,8 @@ class CudaOps:
 
     def add_rmsnorm_shrink(self, x, y, bias, lora, w, eps: float, a: torch.Tensor | None):
         """(x + projection, its RMSNorm h, h @ a^T) in one launch (after the expand's, with a LoRA
-        term); x is not written in place. Without a: add_rmsnorm and None; above one wave of
-        blocks: add_rmsnorm and lora_shrink."""
+        term), x not written in place. Without a: add_rmsnorm and None; above one wave of blocks:
+        add_rmsnorm (x updated in place) and lora_shrink."""
         if a is None:
             return (*self.add_rmsnorm(x, y, bias, lora, w, eps), None)
         b, h = x.shape
