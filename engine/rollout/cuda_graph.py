@@ -18,11 +18,13 @@ changes is how a decode token is computed:
 - q/k/v and gate/up run as one GEMM each: NVFP4 weights repacked once into one fused kernel
   operand, whose row ranges become the members' only copy (NVFP4Linear.make_resident: the
   compressed-tensors buffers are dropped, training reads the same operand); bf16 weights become
-  views into one concatenated tensor. The LoRA stays unmerged: its shrink is one launch per
-  group on the concatenated A's, its expand runs inside the group's epilogue kernel on the
-  members' B's (scaling folded in; for o and down on NVFP4 at small batch, inside the GEMM),
-  refreshed from the live parameters at the start of every call, like the RMSNorm weights with
-  their AQN noise (no re-quantization).
+  views into one concatenated tensor. The LoRA stays unmerged: its shrink (input @ the
+  concatenated A's) is computed by the kernel that makes the input (residual + RMSNorm for q/k/v
+  and gate/up, SiLU * up for down) or, for o and past one wave of blocks, in a launch of its own;
+  its expand runs inside the group's epilogue kernel on the members' B's (scaling folded in; for
+  o and down on NVFP4 at small batch, and gate/up at <= GU_EPILOGUE_ROWS, inside the GEMM). Both
+  are refreshed from the live parameters at the start of every call, like the RMSNorm weights
+  with their AQN noise (no re-quantization).
 - the prompts are prefilled through the same groups and element-wise ops with one row per prompt
   token (``_prefill``, eager, in chunks of sequences): the same function as the model's forward
   with a cache, in a few launches per layer instead of the eager model's hundred-odd small ops.
