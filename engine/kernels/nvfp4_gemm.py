@@ -143,8 +143,13 @@ def available(x: torch.Tensor) -> bool:
 
 
 @lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
+def _sm_count_of(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (the current one for a device without index)."""
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 # -- launches ----------------------------------------------------------------------------------
@@ -176,8 +181,7 @@ def small_config(m: int, p: PreparedNVFP4, device: torch.device, tnw: int | None
                  splits: int | None = None) -> tuple[int, int, int, int]:
     """(8-row activation tiles, weight tiles per warp, K splits, groups per split) for M rows."""
     mt = _m_tiles(m)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    target = next(b for rows, b in _TARGET_BLOCKS if m <= rows) * _sm_count(index) / 132
+    target = next(b for rows, b in _TARGET_BLOCKS if m <= rows) * sm_count(device) / 132
     if tnw is None:
         wide = m <= 2 or -(-p.ntiles // 8) > _WIDE * target
         tnw = 2 if wide and (mt, 2) in _VARIANTS else 1
@@ -215,9 +219,8 @@ def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = N
         if tiles > 1:
             splits = 1
         else:
-            index = device.index if device.index is not None else torch.cuda.current_device()
             blocks_x = -(-p.ntiles // (4 * wg))
-            wave = max(1, min(p.kg, round(_wg_occupancy(bn, wg) * _sm_count(index) / blocks_x)))
+            wave = max(1, min(p.kg, round(_wg_occupancy(bn, wg) * sm_count(device) / blocks_x)))
             wave = -(-p.kg // -(-p.kg // wave))  # as launched: groups per split rounded up
             splits = max(1, wave // 2)
     gps = -(-p.kg // max(1, splits))

@@ -286,15 +286,19 @@ class GraphRollout:
                     g.refresh()
             self._norm_weight(self.model.model.norm, self.w_final)
 
+    def _cos_sin(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE cos and sin (rows, D) in the model dtype for positions (rows,), as the model computes them."""
+        freqs = pos[:, None].float() * self.inv_freq  # (rows, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
     # -- one decode step over rows [0, b), attention over columns [0, s) ---------------------
     def _step(self, b: int, s: int) -> None:
         cfg, ops = self.cfg, self.ops
         heads, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
         self.valid[:b].index_fill_(1, self.slot, True)
-        freqs = self.pos[:b, None].float() * self.inv_freq  # (B, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)  # (B, D)
+        cos, sin = self._cos_sin(self.pos[:b])  # (B, D)
         x = self.model.model.embed_tokens(self.tok[:b])  # (B, H)
         # The shrink (x @ A^T) of a LoRA term is computed by the kernel that makes x (norm, SiLU *
         # up) where there is one: s_qkv, s_gu, s_down; only o's input comes from attention.
@@ -346,9 +350,7 @@ class GraphRollout:
         heads, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         n, t = ids.shape
         r1 = r0 + n
-        freqs = pos.reshape(-1, 1).float() * self.inv_freq  # (n*T, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        cos, sin = self._cos_sin(pos.reshape(-1))  # (n*T, D)
         attn_mask = _mask(self.valid[r0:r1, :t], t, 0)  # (n, 1, T, T)
         shrink = ops if n * t <= PREFILL_KERNEL_SHRINK_ROWS else _MATMUL_OPS  # LoRA shrink: kernel or matmul
         eps = cfg.rms_norm_eps

@@ -45,6 +45,16 @@ __device__ __forceinline__ float proj(const bf16* y, const bf16* bias, const Lor
   return v;
 }
 
+// The residual stream after adding a projection output: x (+ proj(y, bias, L) in bf16 when y).
+__device__ __forceinline__ float residual(const bf16* x, const bf16* y, const bf16* bias, const Lora& L,
+                                          long long row, int col, int hdim) {
+  const float v = ld(x + row * hdim + col);
+  return y ? rb(v + proj(y, bias, L, row, col, hdim)) : v;
+}
+
+// bf16(bf16(silu(g)) * u), as the eager decoder rounds it.
+__device__ __forceinline__ float silu_times(float g, float u) { return rb(rb(g / (1.0f + expf(-g))) * u); }
+
 // grid (ceil(n / 256), rows), block 256: out = proj(y, bias, L) (bias and LoRA epilogue of a
 // projection whose consumer runs one block per row, so that the expand uses the whole GPU).
 __global__ void lora_expand_kernel(const bf16* __restrict__ y, const bf16* __restrict__ bias, const Lora L,
@@ -74,7 +84,7 @@ struct Shrink {
   const float* a;  // (rtot, k) fp32
   float* s;        // (rows, rtot) fp32
   float* ws;       // (kb, rows, rtot) fp32 when kb > 1
-  int* tickets;    // (ceil(rows / 8), rtot) int, zero
+  int* tickets;    // (grid z, rtot) int, zero
   int rtot;
 };
 
@@ -211,11 +221,8 @@ __global__ void add_rmsnorm_kernel(bf16* x, const bf16* __restrict__ y, const bf
   bf16* xr = x + row * hdim;
   float ss = 0.f;
   for (int i = threadIdx.x; i < hdim; i += THREADS) {
-    float v = ld(xr + i);
-    if (y) {
-      v = rb(v + proj(y, bias, L, row, i, hdim));
-      xr[i] = __float2bfloat16_rn(v);
-    }
+    const float v = residual(x, y, bias, L, row, i, hdim);
+    if (y) xr[i] = __float2bfloat16_rn(v);
     ss += v * v;
   }
   const float r = rsqrtf(block_sum<THREADS>(ss) / (float)hdim + eps);
@@ -239,11 +246,9 @@ __global__ void __launch_bounds__(kShrinkThreads)
   const float4 av = shrink_a(S, hdim);
   pdl_wait_then_release();
   const Lora none{nullptr, nullptr, 0, 0, 0, 0, 0};
-  const bf16* xr = x + row * hdim;
   float ss = 0.f;
   for (int e = threadIdx.x; e < hdim; e += kShrinkThreads) {
-    float v = ld(xr + e);
-    if (y) v = rb(v + proj(y, bias, none, row, e, hdim));
+    const float v = residual(x, y, bias, none, row, e, hdim);
     ss += v * v;
   }
   const float r = rsqrtf(block_sum<kShrinkThreads>(ss) / (float)hdim + eps);
@@ -252,8 +257,7 @@ __global__ void __launch_bounds__(kShrinkThreads)
     float hv[4];
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      float v = ld(xr + i + c);
-      if (y) v = rb(v + proj(y, bias, none, row, i + c, hdim));
+      const float v = residual(x, y, bias, none, row, i + c, hdim);
       hv[c] = rb((v * r) * w[i + c]);
       if (blockIdx.x == 0) {
         x_out[row * hdim + i + c] = __float2bfloat16_rn(v);
@@ -280,10 +284,8 @@ __global__ void __launch_bounds__(kShrinkThreads)
     float o4[4];
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      const float g = proj(gu, bias, none, row, i + c, 2 * inter);
-      const float u = proj(gu, bias, none, row, inter + i + c, 2 * inter);
-      const float sg = rb(g / (1.0f + expf(-g)));
-      o4[c] = rb(sg * u);
+      o4[c] = silu_times(proj(gu, bias, none, row, i + c, 2 * inter),
+                         proj(gu, bias, none, row, inter + i + c, 2 * inter));
       if (blockIdx.x == 0) out[row * inter + i + c] = __float2bfloat16_rn(o4[c]);
     }
     acc[0] = shrink_dot(av, o4[0], o4[1], o4[2], o4[3]);
@@ -298,10 +300,7 @@ __global__ void silu_mul_kernel(const bf16* __restrict__ gu, const bf16* __restr
   const long long row = blockIdx.y;
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= inter) return;
-  const float g = proj(gu, bias, L, row, i, 2 * inter);
-  const float u = proj(gu, bias, L, row, inter + i, 2 * inter);
-  const float s = rb(g / (1.0f + expf(-g)));
-  const float o = rb(s * u);
+  const float o = silu_times(proj(gu, bias, L, row, i, 2 * inter), proj(gu, bias, L, row, inter + i, 2 * inter));
   out[row * inter + i] = __float2bfloat16_rn(o);
 }
 

@@ -105,11 +105,6 @@ class TorchOps:
         return out, None if a is None else self.lora_shrink(out, a)
 
 
-@lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -176,8 +171,9 @@ class CudaOps:
         block per SM. Measured on H200 (7B shapes): at 1 row it saves the shrink's launch; at 8
         rows (384 blocks of 1024 threads) it made the step slower than the two kernels it
         replaces (the next NVFP4 GEMM's early-launched blocks found no room to start streaming)."""
-        index = a.device.index if a.device.index is not None else torch.cuda.current_device()
-        return rows * a.shape[0] * -(-k // SHRINK_BLOCK_INPUTS) <= _sm_count(index)
+        from engine.kernels.nvfp4_gemm import sm_count
+
+        return rows * a.shape[0] * -(-k // SHRINK_BLOCK_INPUTS) <= sm_count(a.device)
 
     def add_rmsnorm_shrink(self, x, y, bias, lora, w, eps: float, a: torch.Tensor | None):
         """(x + projection, its RMSNorm h, h @ a^T) in one launch (after the expand's, with a LoRA
