@@ -167,11 +167,15 @@ def profile_prefill(eng: GraphRollout, prompts) -> dict:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         once()
         torch.cuda.synchronize()
+    from torch.autograd import DeviceType
+
     events = prof.key_averages()
     dev = lambda ev: getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0.0)  # noqa: E731
-    gpu_ms = sum(dev(ev) for ev in events) / 1e3
-    kernels = sorted((ev for ev in events if dev(ev) > 0), key=lambda ev: -dev(ev))[:12]
-    host = sorted(events, key=lambda ev: -ev.self_cpu_time_total)[:12]
+    # kernels only: the host op that launched a kernel carries its time too, and would count it twice
+    gpu = [ev for ev in events if ev.device_type == DeviceType.CUDA and dev(ev) > 0]
+    gpu_ms = sum(dev(ev) for ev in gpu) / 1e3
+    kernels = sorted(gpu, key=lambda ev: -dev(ev))[:12]
+    host = sorted((ev for ev in events if ev.device_type == DeviceType.CPU), key=lambda ev: -ev.self_cpu_time_total)[:12]
     print(f"prefill B={len(prompts)} x {ids.shape[1]}: wall {wall * 1e3:.1f} ms, GPU kernels {gpu_ms:.1f} ms", flush=True)
     for ev in kernels:
         print(f"   gpu {dev(ev) / 1e3:8.2f} ms {ev.count:6d}x  {ev.key[:100]}", flush=True)
