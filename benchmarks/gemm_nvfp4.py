@@ -9,7 +9,6 @@ byte ceiling. Each timing is a CUDA graph of calls that rotate through >300 MB o
     python benchmarks/gemm_nvfp4.py                  # the table
     python benchmarks/gemm_nvfp4.py --sweep          # small-kernel configurations and crossovers
     python benchmarks/gemm_nvfp4.py --sweep-wg       # wgmma-kernel configurations and crossovers
-    python benchmarks/gemm_nvfp4.py --sweep-bulk     # bulk-copy vs register-ring small kernel
 """
 from __future__ import annotations
 
@@ -90,14 +89,11 @@ class Layer:
     def time_ours(self, x: torch.Tensor) -> float:
         return time_calls([lambda p=p: gemm.nvfp4_matmul(x, p) for p in self.fp4])
 
-    def time_small(self, x: torch.Tensor, tnw: int | None, splits: int | None, prefetch: int | None = None,
-                   **bulk) -> float:
-        """The small kernel: the register-ring one unless ``bulk`` (bulk=True, stages=, wave=) says."""
+    def time_small(self, x: torch.Tensor, tnw: int, splits: int, prefetch: int | None = None) -> float:
         m = x.shape[0]
         outs = torch.empty(m, self.n, dtype=torch.bfloat16, device="cuda")
-        bulk.setdefault("bulk", False)
-        return time_calls([lambda p=p: gemm.gemm_small_into(x, p, outs, tnw=tnw, splits=splits, prefetch=prefetch,
-                                                            **bulk) for p in self.fp4])
+        return time_calls([lambda p=p: gemm.gemm_small_into(x, p, outs, tnw=tnw, splits=splits, prefetch=prefetch)
+                           for p in self.fp4])
 
     def time_wg(self, x: torch.Tensor, bn: int | None = None, wg: int | None = None, splits: int | None = None,
                 prefetch: int | None = None) -> float:
@@ -124,9 +120,6 @@ def path(m: int, layer: Layer) -> str:
     if route == "wg":
         bn, wg, splits, _ = gemm.wg_config(m, layer.fp4[0], torch.device("cuda"))
         return f"wgmma n{bn} g{wg} s{splits}"
-    if gemm.use_bulk(m, layer.n, layer.k):
-        mt, tnw, splits, _, stages = gemm.bulk_config(m, layer.fp4[0], torch.device("cuda"))
-        return f"bulk mt{mt} w{tnw} s{splits} r{stages}"
     mt, tnw, splits, _ = gemm.small_config(m, layer.fp4[0], torch.device("cuda"))
     return f"fused mt{mt} w{tnw} s{splits}"
 
@@ -234,46 +227,6 @@ def sweep_wg(models, ms, out_json):
         Path(out_json).write_text(json.dumps(rows, indent=1))
 
 
-def sweep_bulk(models, ms, out_json):
-    """Per shape and M (<= 16): bf16, the register-ring kernel (its automatic shape), and the
-    bulk-copy kernel over weight tiles per warp, ring stages and grid sizes (share of one wave)."""
-    rows = []
-    for model, name, n, k in shapes(models):
-        layer = Layer(n, k)
-        for m in ms:
-            if m > 16:
-                continue
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            tb = layer.time_bf16(x)
-            treg = layer.time_small(x, None, None)
-            res = {}
-            for tnw in (1, 2):
-                for stages in (1, 2, 4):
-                    for wave in (0.5, 1.0, 2.0):
-                        try:
-                            cfg = gemm.bulk_config(m, layer.fp4[0], x.device, tnw, None, stages, wave)
-                        except ValueError:
-                            continue
-                        key = (tnw, stages, cfg[2])
-                        if key not in res:
-                            res[key] = layer.time_small(x, tnw, cfg[2], bulk=True, stages=stages)
-            auto = gemm.bulk_config(m, layer.fp4[0], x.device)
-            t_auto = res.get((auto[1], auto[4], auto[2]), float("nan"))
-            best = min(res.items(), key=lambda kv: kv[1])
-            cells = " ".join(f"w{a}r{b}s{c}:{v:.1f}" for (a, b, c), v in sorted(res.items()))
-            print(f"{model:>4} {name:>7} M={m:<3} bf16 {tb:7.1f} reg {treg:6.1f} (x{tb / treg:4.2f}) | bulk auto "
-                  f"w{auto[1]}r{auto[4]}s{auto[2]} {t_auto:6.1f} (x{tb / t_auto:4.2f}) best w{best[0][0]}r{best[0][1]}"
-                  f"s{best[0][2]} {best[1]:6.1f} (x{tb / best[1]:4.2f}, {0.5625 * n * k / best[1] / 1e6:4.2f} TB/s) | "
-                  f"{cells}", flush=True)
-            rows.append(dict(model=model, layer=name, n=n, k=k, m=m, bf16_us=tb, reg_us=treg,
-                             bulk_auto=[auto[1], auto[4], auto[2], t_auto],
-                             bulk={f"w{a}r{b}s{c}": v for (a, b, c), v in res.items()}))
-        del layer
-        torch.cuda.empty_cache()
-    if out_json:
-        Path(out_json).write_text(json.dumps(rows, indent=1))
-
-
 def profile(spec: str) -> None:
     """A few plain launches of one configuration (n,k,m[,tnw,splits]) for a profiler to catch."""
     n, k, m, *cfg = (int(v) for v in spec.split(","))
@@ -281,10 +234,7 @@ def profile(spec: str) -> None:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     tnw, splits = (cfg + [None, None])[:2]
-    if gemm.use_bulk(m, n, k):
-        print("bulk config", gemm.bulk_config(m, p, x.device, tnw, splits))
-    else:
-        print("config", gemm.small_config(m, p, x.device, tnw, splits))
+    print("config", gemm.small_config(m, p, x.device, tnw, splits))
     for _ in range(3):
         gemm.gemm_small_into(x, p, out, tnw=tnw, splits=splits)
     w = torch.empty(n, k, dtype=torch.bfloat16, device="cuda")
@@ -308,7 +258,6 @@ def main() -> None:
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-wg", action="store_true")
-    ap.add_argument("--sweep-bulk", action="store_true")
     ap.add_argument("--json", default="")
     ap.add_argument("--profile", default="", help="n,k,m[,tnw,splits]: launch one configuration a few times")
     args = ap.parse_args()
@@ -323,8 +272,6 @@ def main() -> None:
         sweep(models, ms, args.json)
     elif args.sweep_wg:
         sweep_wg(models, ms, args.json)
-    elif args.sweep_bulk:
-        sweep_bulk(models, ms, args.json)
     else:
         summary(table(models, ms, args.json))
 

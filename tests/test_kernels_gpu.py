@@ -138,36 +138,9 @@ def test_every_kernel_variant(tnw, splits):
         x = torch.randn(m, p.k, device="cuda").bfloat16()
         out = torch.full((m, p.n), float("nan"), dtype=torch.bfloat16, device="cuda")
         ws = torch.full((p.kg * m * p.ntiles * 16,), float("nan"), device="cuda")
-        gemm.gemm_small_into(x, p, out, tnw=tnw, splits=splits, workspace=ws, bulk=False)
+        gemm.gemm_small_into(x, p, out, tnw=tnw, splits=splits, workspace=ws)
         check(out, reference(x, wref, gscale), f"M={m} tnw={tnw} splits={splits}")
         assert int(p.counters.abs().sum()) == 0, "split-K tickets must be reset"
-
-
-@pytest.mark.parametrize("n,k", [(1000, 1008), (72, 4112)])  # the second: 17 groups, 2 of 8 warps busy
-@pytest.mark.parametrize("mt,tnw", sorted(gemm._BULK_VARIANTS))
-def test_every_bulk_variant(n, k, mt, tnw):
-    """The bulk-copy kernel: every variant with rings of 1 to 8 records (those that fit), 1, 3 and
-    all K splits (fewer groups per split than ring slots included; the last split's activation
-    slice ends inside a group), within bf16 rounding of the exact product and bit-identical to the
-    register-ring kernel with the same shape and splits."""
-    p, wref, gscale = make_layer(n, k, seed=13)
-    for m in ((1, 5, 8) if mt == 1 else (9, 16)):
-        x = torch.randn(m, p.k, device="cuda").bfloat16()
-        ref = reference(x, wref, gscale)
-        for stages in (1, 2, 3, 4, 8):
-            for splits in (1, 3, 1000):
-                what = f"{n}x{k} M={m} tnw={tnw} stages={stages} splits={splits}"
-                try:
-                    gemm.bulk_config(m, p, x.device, tnw, splits, stages)
-                except ValueError:
-                    assert stages * tnw * 8 * 2304 + m * (p.kg * 512 + 16) > 200 * 1024, f"{what}: should fit"
-                    continue
-                out, ws = poisoned(m, p)
-                gemm.gemm_small_into(x, p, out, tnw=tnw, splits=splits, workspace=ws, bulk=True, stages=stages)
-                check(out, ref, what)
-                assert int(p.counters.abs().sum()) == 0, "split-K tickets must be reset"
-                want = gemm.gemm_small_into(x, p, torch.empty_like(out), tnw=tnw, splits=splits, bulk=False)
-                assert torch.equal(out, want), f"{what}: differs from the register-ring kernel"
 
 
 @pytest.mark.parametrize("n,k", [(1000, 1008), (136, 2000)])  # the second leaves a warpgroup idle

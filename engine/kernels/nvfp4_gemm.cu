@@ -24,10 +24,6 @@
 // last block of a column (an atomic ticket) adds them in a fixed order, so results are
 // deterministic.
 //
-// Up to 16 rows the same kernel also comes as gemm_bulk_kernel (below), whose warps receive their
-// records through per-warp shared-memory rings filled by the copy engine (cp.async.bulk) instead
-// of registers.
-//
 // Medium M (gemm_wg_kernel, below): the same weight stream and dequantization feed Hopper's
 // warpgroup MMA (wgmma, register A operand) with the activations in a 4-stage shared-memory ring,
 // so 64 weight rows share one MMA per k16 step for up to 256 activation rows.
@@ -204,67 +200,6 @@ __device__ __forceinline__ void chunk_mma_smem(float (&acc)[1][TNW][MT][4], cons
   }
 }
 
-// The end of a small-M kernel (blocks of kWarps warps, warp w owning weight tiles nt0 .. nt0+TNW-1,
-// accumulators in m16n8k16 layout): without split K the outputs (times alpha, through the
-// epilogue); with it this block's fp32 partial sums, then the last block of the column (an
-// atomic ticket) adds every split's in split order and writes the outputs.
-template <int MT, int TNW, bool EPI>
-__device__ __forceinline__ void finish(const float (&acc)[TNW][MT][4], uint16_t* __restrict__ y,
-                                       float* __restrict__ ws, int* __restrict__ counters, float alpha,
-                                       int M, int N, int ldy, int npad, int nt0, bool active, int split,
-                                       int splits, const Epilogue& ep) {
-  const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-  if (splits == 1) {
-    if (!active) return;
-#pragma unroll
-    for (int tn = 0; tn < TNW; ++tn)
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const int n = (nt0 + tn) * 16 + g, tok = mt * 8 + 2 * t;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int tk = tok + (i & 1), nn = n + 8 * (i >> 1);
-          if (tk < M && nn < N) y[(size_t)tk * ldy + nn] = epilogue<EPI>(acc[tn][mt][i] * alpha, ep, tk, nn);
-        }
-      }
-    return;
-  }
-
-  // Split K: write this block's partial sums, then the last block of the column adds them.
-  if (active) {
-    float* part = ws + (size_t)split * M * npad;
-#pragma unroll
-    for (int tn = 0; tn < TNW; ++tn)
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const int n = (nt0 + tn) * 16 + g, tok = mt * 8 + 2 * t;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int tk = tok + (i & 1), nn = n + 8 * (i >> 1);
-          if (tk < M) part[(size_t)tk * npad + nn] = acc[tn][mt][i];
-        }
-      }
-  }
-  __threadfence();
-  __syncthreads();
-  __shared__ int is_last;
-  if (threadIdx.x == 0) is_last = atomicAdd(&counters[blockIdx.x], 1) == splits - 1;
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  constexpr int kWidth = kWarps * TNW * 16;
-  const int nb = blockIdx.x * kWidth;
-  for (int i = threadIdx.x; i < M * kWidth; i += kWarps * 32) {
-    const int tk = i / kWidth, nn = nb + i % kWidth;
-    if (nn >= N) continue;
-    float sum = 0.f;
-#pragma unroll 8
-    for (int sp = 0; sp < splits; ++sp) sum += __ldcg(ws + ((size_t)sp * M + tk) * npad + nn);
-    y[(size_t)tk * ldy + nn] = epilogue<EPI>(sum * alpha, ep, tk, nn);
-  }
-  if (threadIdx.x == 0) counters[blockIdx.x] = 0;
-}
-
 // One warp: TNW weight tiles over groups [g0, g1) of 4 chunks (256 inputs). Weights stream
 // through a ring of D chunks per tile (chunk c+D is requested once chunk c is used), scales a
 // group ahead; all addresses are a running pointer plus constant offsets. Activations: registers
@@ -285,6 +220,7 @@ __global__ void __launch_bounds__(kWarps * 32, MT * TNW == 1 ? 4 : (MT * TNW <= 
   const int split = blockIdx.y;
   const int g0 = split * gps;
   const int g1 = min(kg, g0 + gps);
+  const int npad = ntiles * 16;
   const bool active = nt0 < ntiles;
 
   float acc[NACC][TNW][MT][4];
@@ -447,186 +383,55 @@ __global__ void __launch_bounds__(kWarps * 32, MT * TNW == 1 ? 4 : (MT * TNW <= 
         for (int i = 0; i < 4; ++i) acc[0][tn][mt][i] += acc[NACC - 1][tn][mt][i];
   }
 
-  finish<MT, TNW, EPI>(acc[0], y, ws, counters, __ldg(alpha_p), M, N, ldy, ntiles * 16, nt0, active, split,
-                       splits, ep);
-}
-
-// ---- Small M through shared memory filled by the copy engine ---------------------------------
-// The same records, dequantization, MMAs and end as gemm_small_kernel, with both operands in
-// shared memory filled by bulk copies (cp.async.bulk, completing on mbarriers) instead of loads
-// into registers:
-// - weights: each warp's stream goes through its own ring of `stages` slots (one record per
-//   weight tile per slot, one bulk copy per record): the bytes in flight cost no registers and the
-//   first slots are requested before griddepcontrol.wait. Lane 0 requests a slot's next records
-//   once the warp has used the slot (after the group's MMAs, so every lane's reads are done). The
-//   weight stream is read once: its copies carry an L2 evict-first policy.
-// - activations: the block's whole K range of its M rows (gps groups, row stride gps * 512 + 16
-//   bytes, which keeps a warp's fragment reads on distinct banks) is copied once after the wait,
-//   one bulk copy per row, and read by every warp of the block: the per-chunk loads of the
-//   register kernel, which stalled its warps on L2 latency, are gone. Inputs past K are zeroed.
-//   Fragment rows past M read row M-1 (their output columns are not written).
-constexpr int kMaxStages = 8;
-constexpr int kRecordBytes = 2304;
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar))
-               : "memory");
-}
-
-__device__ __forceinline__ void bulk_record(void* dst, const void* src, uint64_t* bar, uint64_t policy) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
-      ::"r"(smem_u32(dst)), "l"(src), "r"(kRecordBytes), "r"(smem_u32(bar)), "l"(policy)
-      : "memory");
-}
-
-__device__ __forceinline__ void expect_bytes(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
-               : "memory");
-}
-
-// Lane 0: slot `bar` expects TNW records, then they are requested.
-template <int TNW>
-__device__ __forceinline__ void request_slot(char* slot, const int4* const (&src)[TNW], int grp, uint64_t* bar,
-                                             uint64_t policy) {
-  expect_bytes(bar, TNW * kRecordBytes);
-#pragma unroll
-  for (int tn = 0; tn < TNW; ++tn) bulk_record(slot + tn * kRecordBytes, src[tn] + (size_t)grp * 144, bar, policy);
-}
-
-__device__ __forceinline__ void wait_slot(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nWAIT_SLOT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_SLOT;\n}\n" ::"r"(smem_u32(bar)),
-      "r"(parity)
-      : "memory");
-}
-
-__device__ __forceinline__ void init_bar(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
-}
-
-// Bytes of the activation slice: M rows of gps groups.
-__host__ __device__ __forceinline__ int bulk_x_stride(int gps) { return gps * 512 + 16; }
-
-template <int MT, int TNW, bool EPI>
-__global__ void __launch_bounds__(kWarps * 32)
-    gemm_bulk_kernel(const int4* __restrict__ wq, const uint16_t* __restrict__ x, uint16_t* __restrict__ y,
-                     float* __restrict__ ws, int* __restrict__ counters, const float* __restrict__ alpha_p,
-                     int M, int N, int K, int ldx, int ldy, int ntiles, int kg, int splits, int gps, int stages,
-                     const Epilogue ep) {
-  constexpr int NACC = MT * TNW == 1 ? 2 : 1;  // two MMA chains when there is one (as gemm_small_kernel)
-  extern __shared__ __align__(128) char bulk_smem[];  // rings (all warps), then the activation slice
-  __shared__ __align__(8) uint64_t bars[kWarps][kMaxStages];
-  __shared__ __align__(8) uint64_t xbar;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int nt0 = (blockIdx.x * kWarps + warp) * TNW;
-  const int split = blockIdx.y;
-  const int g0 = split * gps;
-  const bool active = nt0 < ntiles;
-  const int groups = active ? max(0, min(kg, g0 + gps) - g0) : 0;
-  char* ring = bulk_smem + (size_t)warp * stages * TNW * kRecordBytes;
-  char* xs = bulk_smem + (size_t)kWarps * stages * TNW * kRecordBytes;
-  const int xstride = bulk_x_stride(gps);
-  uint64_t* bar = bars[warp];
-  const int4* src[TNW];
-#pragma unroll
-  for (int tn = 0; tn < TNW; ++tn) src[tn] = wq + ((size_t)(active ? nt0 + tn : 0) * kg + g0) * 144;
-  if (lane == 0 && groups > 0) {
-    uint64_t policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    for (int s = 0; s < stages; ++s) init_bar(&bar[s]);
-    if (threadIdx.x == 0) init_bar(&xbar);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    for (int s = 0; s < stages && s < groups; ++s)
-      request_slot<TNW>(ring + s * TNW * kRecordBytes, src, s, &bar[s], policy);
-  }
-  pdl_wait_then_release();  // activations are the previous kernel's output
-  // the activation slice: inputs [g0 * 256, kx) of rows [0, M); zeros past K
-  const int kx = min(K, (g0 + gps) * 256);
-  const int xbytes = max(0, kx - g0 * 256) * 2;
-  for (int i = xbytes / 16 + threadIdx.x; i < gps * 32 * M; i += kWarps * 32) {
-    const int row = i / (gps * 32), piece = i % (gps * 32);
-    if (piece * 16 >= xbytes) *reinterpret_cast<int4*>(xs + row * xstride + piece * 16) = make_int4(0, 0, 0, 0);
-  }
-  __syncthreads();  // the barriers are initialized, the zeros written
-  if (threadIdx.x == 0 && xbytes > 0) {
-    expect_bytes(&xbar, M * xbytes);
-    for (int r = 0; r < M; ++r) bulk_copy(xs + r * xstride, x + (size_t)r * ldx + (size_t)g0 * 256, xbytes, &xbar);
-  }
-
-  float acc[NACC][TNW][MT][4];
-#pragma unroll
-  for (int a = 0; a < NACC; ++a)
+  const float alpha = __ldg(alpha_p);
+  if (splits == 1) {
+    if (!active) return;
 #pragma unroll
     for (int tn = 0; tn < TNW; ++tn)
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
+      for (int mt = 0; mt < MT; ++mt) {
+        const int n = (nt0 + tn) * 16 + g, tok = mt * 8 + 2 * t;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc[a][tn][mt][i] = 0.f;
-
-  if (groups > 0) {
-    uint64_t policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    // lane (g, t) reads 32 bytes of row mt*8+g per chunk (rows past M: row M-1)
-    const char* xrow[MT];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) xrow[mt] = xs + min(mt * 8 + g, M - 1) * xstride + 32 * t;
-    if (xbytes > 0) wait_slot(&xbar, 0);
-    int slot = 0;
-    uint32_t parity = 0;
-    for (int i = 0; i < groups; ++i) {
-      char* rec = ring + slot * TNW * kRecordBytes;
-      wait_slot(&bar[slot], parity);
-      int4 wb[4][TNW];
-      int2 sc[TNW];
-#pragma unroll
-      for (int tn = 0; tn < TNW; ++tn) {
-        const char* r = rec + tn * kRecordBytes;
-#pragma unroll
-        for (int c = 0; c < 4; ++c) wb[c][tn] = *reinterpret_cast<const int4*>(r + c * 512 + lane * 16);
-        sc[tn] = *reinterpret_cast<const int2*>(r + 2048 + lane * 8);
-      }
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        uint32_t sg[TNW], sg8[TNW];
-#pragma unroll
-        for (int tn = 0; tn < TNW; ++tn) chunk_scales(sc[tn], c, sg[tn], sg8[tn]);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          int4 xh[MT];
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) xh[mt] = *reinterpret_cast<const int4*>(xrow[mt] + i * 512 + c * 128 + 16 * h);
-          half_mma<MT, TNW>(acc[h % NACC], wb[c], sg, sg8, xh, 1, h);
+        for (int i = 0; i < 4; ++i) {
+          const int tk = tok + (i & 1), nn = n + 8 * (i >> 1);
+          if (tk < M && nn < N) y[(size_t)tk * ldy + nn] = epilogue<EPI>(acc[0][tn][mt][i] * alpha, ep, tk, nn);
         }
       }
-      __syncwarp();  // every lane is done with the slot
-      if (lane == 0 && i + stages < groups) request_slot<TNW>(rec, src, i + stages, &bar[slot], policy);
-      if (++slot == stages) {
-        slot = 0;
-        parity ^= 1u;
-      }
-    }
-  } else if (threadIdx.x == 0 && xbytes > 0) {
-    wait_slot(&xbar, 0);  // the block's copies land before it exits
+    return;
   }
-  if constexpr (NACC == 2) {
+
+  // Split K: write this block's partial sums, then the last block of the column adds them.
+  if (active) {
+    float* part = ws + (size_t)split * M * npad;
 #pragma unroll
     for (int tn = 0; tn < TNW; ++tn)
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
+      for (int mt = 0; mt < MT; ++mt) {
+        const int n = (nt0 + tn) * 16 + g, tok = mt * 8 + 2 * t;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc[0][tn][mt][i] += acc[NACC - 1][tn][mt][i];
+        for (int i = 0; i < 4; ++i) {
+          const int tk = tok + (i & 1), nn = n + 8 * (i >> 1);
+          if (tk < M) part[(size_t)tk * npad + nn] = acc[0][tn][mt][i];
+        }
+      }
   }
-  finish<MT, TNW, EPI>(acc[0], y, ws, counters, __ldg(alpha_p), M, N, ldy, ntiles * 16, nt0, active, split,
-                       splits, ep);
+  __threadfence();
+  __syncthreads();
+  __shared__ int is_last;
+  if (threadIdx.x == 0) is_last = atomicAdd(&counters[blockIdx.x], 1) == splits - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  constexpr int kWidth = kWarps * TNW * 16;
+  const int nb = blockIdx.x * kWidth;
+  for (int i = threadIdx.x; i < M * kWidth; i += kWarps * 32) {
+    const int tk = i / kWidth, nn = nb + i % kWidth;
+    if (nn >= N) continue;
+    float sum = 0.f;
+    for (int sp = 0; sp < splits; ++sp) sum += __ldcg(ws + ((size_t)sp * M + tk) * npad + nn);
+    y[(size_t)tk * ldy + nn] = epilogue<EPI>(sum * alpha, ep, tk, nn);
+  }
+  if (threadIdx.x == 0) counters[blockIdx.x] = 0;
 }
 
 // ---- Medium M (16..256 rows per block): warpgroup MMA (wgmma) --------------------------------
@@ -1071,23 +876,6 @@ Variant pick(int mt, int tnw, bool epi = false) {
   return {nullptr, 0};
 }
 
-template <int MT, int TNW>
-Variant bulk_variant(bool epi, int stages, int xbytes) {
-  return {epi ? reinterpret_cast<void*>(&gemm_bulk_kernel<MT, TNW, true>)
-              : reinterpret_cast<void*>(&gemm_bulk_kernel<MT, TNW, false>),
-          kWarps * stages * TNW * kRecordBytes + xbytes};
-}
-
-// xbytes: the activation slice (M * bulk_x_stride(gps)).
-Variant pick_bulk(int mt, int tnw, int stages, int xbytes, bool epi = false) {
-  if (stages < 1 || stages > kMaxStages || xbytes < 0) return {nullptr, 0};
-#define QERL_CASE(A, B) \
-  if (mt == A && tnw == B) return bulk_variant<A, B>(epi, stages, xbytes);
-  QERL_CASE(1, 1) QERL_CASE(1, 2) QERL_CASE(2, 1) QERL_CASE(2, 2)
-#undef QERL_CASE
-  return {nullptr, 0};
-}
-
 template <int BN, int WG>
 Variant wg_variant() {
   return {reinterpret_cast<void*>(&gemm_wg_kernel<BN, WG>), WgTile<BN>::kSmem};
@@ -1103,29 +891,24 @@ Variant pick_wg(int bn, int wg) {
   return {nullptr, 0};
 }
 
-// Rings over 48 KB of shared memory need the kernel's limit raised, per kernel and device (to the
-// largest ring asked for so far).
+// Rings over 48 KB of shared memory need the kernel's limit raised, once per kernel and device.
 cudaError_t allow_smem(const Variant& v) {
   if (v.smem <= 48 * 1024) return cudaSuccess;
-  constexpr int kMaxDevices = 64, kMaxKernels = 32;
-  static const void* fns[kMaxDevices][kMaxKernels] = {};
-  static int limit[kMaxDevices][kMaxKernels] = {};
+  constexpr int kMaxDevices = 64, kMaxKernels = 16;
+  static void* done[kMaxDevices][kMaxKernels] = {};
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
-  int slot = -1;
-  for (int i = 0; dev < kMaxDevices && i < kMaxKernels; ++i)
-    if (fns[dev][i] == v.fn || fns[dev][i] == nullptr) {
-      slot = i;
-      break;
-    }
-  if (slot >= 0 && fns[dev][slot] == v.fn && limit[dev][slot] >= v.smem) return cudaSuccess;
+  for (int i = 0; dev < kMaxDevices && i < kMaxKernels && done[dev][i] != nullptr; ++i)
+    if (done[dev][i] == v.fn) return cudaSuccess;
   err = cudaFuncSetAttribute(v.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, v.smem);
-  if (err != cudaSuccess) cudaGetLastError();  // a ring too large here: not the next launch's error
-  if (err == cudaSuccess && slot >= 0) {
-    fns[dev][slot] = v.fn;
-    limit[dev][slot] = v.smem;
-  }
+  if (err != cudaSuccess) cudaGetLastError();  // not the next launch's error
+  if (err == cudaSuccess && dev < kMaxDevices)
+    for (int i = 0; i < kMaxKernels; ++i)
+      if (done[dev][i] == nullptr) {
+        done[dev][i] = v.fn;
+        break;
+      }
   return err;
 }
 
@@ -1154,33 +937,6 @@ int qerl_nvfp4_gemm_small(int mt, int tnw, const void* wq, const void* x, void* 
   void* args[] = {&wq, &x, &y, &ws, &counters, &alpha, &M, &N, &K,
                   &ldx, &ldy, &ntiles, &kg, &splits, &gps, &pf, const_cast<void*>(epp)};
   return (int)launch(v.fn, grid, dim3(kWarps * 32), v.smem, stream, args);
-}
-
-// The same with both operands in shared memory filled by bulk copies: per-warp rings of `stages`
-// records (1..8) and the block's activation slice (M * (gps * 512 + 16) bytes); mt 1 or 2, tnw 1
-// or 2.
-int qerl_nvfp4_gemm_bulk(int mt, int tnw, int stages, const void* wq, const void* x, void* y, void* ws,
-                         void* counters, const void* alpha, int M, int N, int K, int ldx, int ldy,
-                         int ntiles, int kg, int splits, int gps, QERL_EPILOGUE_ARGS, void* stream) {
-  const Epilogue ep = QERL_EPILOGUE;
-  const Variant v = pick_bulk(mt, tnw, stages, M * bulk_x_stride(gps), bias != nullptr || ls != nullptr);
-  if (v.fn == nullptr || M > mt * 8) return (int)cudaErrorInvalidValue;
-  cudaError_t err = allow_smem(v);
-  if (err != cudaSuccess) return (int)err;
-  dim3 grid((ntiles + kWarps * tnw - 1) / (kWarps * tnw), splits);
-  const void* epp = &ep;
-  void* args[] = {&wq, &x, &y, &ws, &counters, &alpha, &M, &N, &K,
-                  &ldx, &ldy, &ntiles, &kg, &splits, &gps, &stages, const_cast<void*>(epp)};
-  return (int)launch(v.fn, grid, dim3(kWarps * 32), v.smem, stream, args);
-}
-
-int qerl_nvfp4_occupancy_bulk(int mt, int tnw, int stages, int xbytes) {
-  const Variant v = pick_bulk(mt, tnw, stages, xbytes);
-  if (v.fn == nullptr || allow_smem(v) != cudaSuccess) return 0;
-  int blocks = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, v.fn, kWarps * 32, v.smem) != cudaSuccess)
-    return 0;
-  return blocks;
 }
 
 // Medium M: the wgmma kernel. bn: activation rows per block (16, 32, 64, 96, 128; 192 and 256

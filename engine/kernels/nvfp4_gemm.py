@@ -4,8 +4,6 @@ Three paths on Hopper, picked per call from the number of activation rows M (``k
 crossovers measured on H200):
 - "small" (decode, M up to SMALL_PATH_MAX): mma.sync with the weights dequantized in registers as
   the MMA's A operand (see nvfp4_gemm.cu), K split and tiles per warp from measured block counts.
-  Up to BULK_M_MAX rows the weights reach the warps through per-warp shared-memory rings filled
-  by bulk copies (``bulk_config``) rather than rings of registers.
 - "wg" (M up to 32-128, the larger the layer the further): the same dequantization feeding
   warpgroup MMAs (wgmma) whose B operand, the activations, streams through a shared-memory ring;
   K split when the grid is small.
@@ -41,19 +39,6 @@ _VARIANTS = {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4,
 # from M = 3 on and to cost 5-8% at M <= 2, where the kernel already keeps enough loads in flight.
 PREFETCH_GROUPS = int(os.environ.get("QERL_NVFP4_PREFETCH", "2"))
 _PREFETCH_MIN_M = 3
-
-# The bulk-copy variant of the small kernel (weights through per-warp rings of BULK_STAGES records
-# in shared memory, each block's activation slice copied once into shared memory): rows it serves,
-# variants (8-row activation tiles, weight tiles per warp), the blocks to aim for as a share of one
-# wave of resident blocks (K is split until then), and the most bytes of activations per block
-# (K is split further until the slice fits).
-BULK_M_MAX = int(os.environ.get("QERL_NVFP4_BULK_MAX", "0"))
-BULK_STAGES = int(os.environ.get("QERL_NVFP4_BULK_STAGES", "2"))
-BULK_WAVE = float(os.environ.get("QERL_NVFP4_BULK_WAVE", "1.0"))
-BULK_TNW = int(os.environ.get("QERL_NVFP4_BULK_TNW", "0"))  # 0: two weight tiles per warp up to 2 rows, else one
-BULK_MIN_WEIGHTS = float(os.environ.get("QERL_NVFP4_BULK_MIN_WEIGHTS", "0"))
-BULK_X_BYTES = 32 * 1024
-_BULK_VARIANTS = {(1, 1), (1, 2), (2, 1), (2, 2)}
 
 # The wgmma kernel: activation rows per block (the wgmma's N) and warpgroups per block (64 weight
 # rows each).
@@ -210,46 +195,6 @@ def small_config(m: int, p: PreparedNVFP4, device: torch.device, tnw: int | None
 
 
 @lru_cache(maxsize=None)
-def _bulk_occupancy(mt: int, tnw: int, stages: int, x_bytes: int) -> int:
-    return _build.library().qerl_nvfp4_occupancy_bulk(mt, tnw, stages, x_bytes)
-
-
-def _bulk_x_bytes(m: int, gps: int) -> int:
-    return m * (gps * 512 + 16)  # M rows of gps groups, padded rows (nvfp4_gemm.cu bulk_x_stride)
-
-
-def use_bulk(m: int, n: int, k: int) -> bool:
-    """The bulk-copy variant for M rows of an [n, k] layer on the small path (else the
-    register-ring kernel)."""
-    return m <= BULK_M_MAX and n * k >= BULK_MIN_WEIGHTS and (_m_tiles(m), 1) in _BULK_VARIANTS
-
-
-def bulk_config(m: int, p: PreparedNVFP4, device: torch.device, tnw: int | None = None, splits: int | None = None,
-                stages: int | None = None, wave: float | None = None) -> tuple[int, int, int, int, int]:
-    """(8-row activation tiles, weight tiles per warp, K splits, groups per split, ring stages) of
-    the bulk-copy kernel for M rows: K is split until the activation slice of a block fits
-    BULK_X_BYTES and the grid is ``wave`` (BULK_WAVE) times one wave of resident blocks. Raises
-    ValueError for a configuration that cannot run (no such variant, shared memory exceeded)."""
-    mt = _m_tiles(m)
-    if tnw is None:
-        tnw = BULK_TNW or (2 if m <= 2 else 1)
-    stages = BULK_STAGES if stages is None else stages
-    if (mt, tnw) not in _BULK_VARIANTS:
-        raise ValueError(f"no bulk-copy kernel for {mt * 8} rows with {tnw} weight tiles per warp")
-    if splits is None:
-        gps_max = max(1, min(p.kg, (BULK_X_BYTES // m - 16) // 512))
-        occupancy = _bulk_occupancy(mt, tnw, stages, _bulk_x_bytes(m, gps_max))
-        blocks_x = -(-p.ntiles // (8 * tnw))
-        target = (BULK_WAVE if wave is None else wave) * max(1, occupancy) * sm_count(device)
-        splits = max(-(-p.kg // gps_max), min(p.kg, round(target / blocks_x)))
-    gps = -(-p.kg // max(1, splits))
-    if _bulk_occupancy(mt, tnw, stages, _bulk_x_bytes(m, gps)) < 1:
-        raise ValueError(f"the bulk-copy kernel cannot run {stages} stages of {tnw} weight tiles per warp with "
-                         f"{m} rows of {gps * 256} inputs per block here (shared memory)")
-    return mt, tnw, -(-p.kg // gps), gps, stages
-
-
-@lru_cache(maxsize=None)
 def _wg_occupancy(bn: int, wg: int) -> int:
     return max(1, _build.library().qerl_nvfp4_occupancy_wg(bn, wg))
 
@@ -311,38 +256,27 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 def gemm_small_into(x2: torch.Tensor, p: PreparedNVFP4, out: torch.Tensor, *, tnw: int | None = None,
                     splits: int | None = None, workspace: torch.Tensor | None = None,
                     prefetch: int | None = None, bias: torch.Tensor | None = None,
-                    lora=None, bulk: bool | None = None,  # noqa: ANN001 - any object with s, b, r, n1, n2 (LoraTerm)
-                    stages: int | None = None, wave: float | None = None) -> torch.Tensor:
+                    lora=None) -> torch.Tensor:  # noqa: ANN001 - any object with s, b, r, n1, n2 (LoraTerm)
     """Fused kernel into ``out`` [M, N] (bf16, row stride N) for x2 [M, K] bf16, M <= SMALL_M_MAX.
 
     ``bias`` (bf16 [N]) and ``lora`` (fused_ops.LoraTerm: s [M, G*r] and b [r, N] fp32, member
     edges n1, n2) are added in the kernel's epilogue in the eager order (bf16 product, + bias in
-    bf16, + delta in fp32, rounded once), which saves a launch per projection. ``bulk`` picks the
-    bulk-copy variant (default: ``use_bulk``; ``stages`` and ``wave`` as in ``bulk_config``) or the
-    register-ring kernel (``prefetch``: its L2 prefetch distance); same sums, same order, so the
-    same bits for the same ``tnw`` and ``splits``."""
+    bf16, + delta in fp32, rounded once), which saves a launch per projection."""
     m = x2.shape[0]
     if m > SMALL_M_MAX or m < 1:
         raise ValueError(f"the fused kernel takes 1..{SMALL_M_MAX} rows, got {m}")
     if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
         x2 = x2.contiguous()
-    if use_bulk(m, p.n, p.k) if bulk is None else bulk:
-        mt, tnw, splits, gps, stages = bulk_config(m, p, x2.device, tnw, splits, stages, wave)
-        launch, what = "qerl_nvfp4_gemm_bulk", "NVFP4 fused GEMM (bulk copies) launch"
-        shape, last = (mt, tnw, stages), ()
-    else:
-        mt, tnw, splits, gps = small_config(m, p, x2.device, tnw, splits)
-        launch, what = "qerl_nvfp4_gemm_small", "NVFP4 fused GEMM launch"
-        shape, last = (mt, tnw), (_prefetch(m) if prefetch is None else prefetch,)
+    mt, tnw, splits, gps = small_config(m, p, x2.device, tnw, splits)
     ws = _workspace(splits, m, p, x2, workspace)
     ws_ptr = 0 if ws is None else ws.data_ptr()
     lib = _build.library()
-    err = getattr(lib, launch)(
-        *shape, p.wq.data_ptr(), x2.data_ptr(), out.data_ptr(), ws_ptr, p.counters.data_ptr(),
+    err = lib.qerl_nvfp4_gemm_small(
+        mt, tnw, p.wq.data_ptr(), x2.data_ptr(), out.data_ptr(), ws_ptr, p.counters.data_ptr(),
         p.alpha.data_ptr(), m, p.n, p.k, x2.stride(0), out.stride(0), p.ntiles, p.kg, splits, gps,
-        *last, *_epilogue_args(m, p, bias, lora), _stream(x2.device),
+        _prefetch(m) if prefetch is None else prefetch, *_epilogue_args(m, p, bias, lora), _stream(x2.device),
     )
-    _build.check(lib, err, what)
+    _build.check(lib, err, "NVFP4 fused GEMM launch")
     return out
 
 

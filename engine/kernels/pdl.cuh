@@ -38,30 +38,11 @@ inline cudaLaunchConfig_t pdl_config(dim3 grid, dim3 block, size_t smem, void* s
   return cfg;
 }
 
-// QERL_SMEM_CARVEOUT (percent of the unified L1/shared memory given to shared memory, read once):
-// every kernel launched here asks for the same split, so SMs need not be reconfigured between
-// kernels that would otherwise get different splits. Set once per kernel.
-inline void apply_carveout(const void* fn) {
-  static const int want = [] {
-    const char* v = getenv("QERL_SMEM_CARVEOUT");
-    return v == nullptr ? -1 : atoi(v);
-  }();
-  if (want < 0) return;
-  constexpr int kMax = 512;
-  static const void* done[kMax];
-  static int count = 0;
-  for (int i = 0; i < count; ++i)
-    if (done[i] == fn) return;
-  if (cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout, want) != cudaSuccess) cudaGetLastError();
-  if (count < kMax) done[count++] = fn;
-}
-
 // kernel<<<grid, block, smem, stream>>>(args...), with PDL if enabled.
 template <typename... Params, typename... Args>
 cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, void* stream, Args... args) {
   cudaLaunchAttribute attr;
   const cudaLaunchConfig_t cfg = pdl_config(grid, block, smem, stream, &attr);
-  apply_carveout(reinterpret_cast<const void*>(kernel));
   const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
   return err != cudaSuccess ? err : cudaGetLastError();
 }
@@ -70,7 +51,6 @@ cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t 
 inline cudaError_t launch_pdl(const void* fn, dim3 grid, dim3 block, size_t smem, void* stream, void** args) {
   cudaLaunchAttribute attr;
   const cudaLaunchConfig_t cfg = pdl_config(grid, block, smem, stream, &attr);
-  apply_carveout(fn);
   const cudaError_t err = cudaLaunchKernelExC(&cfg, fn, args);
   return err != cudaSuccess ? err : cudaGetLastError();
 }
