@@ -144,6 +144,21 @@ __device__ __forceinline__ uint16_t epilogue(float v, const Epilogue& e, int tk,
   return o;
 }
 
+// sum_{sp < splits} p[sp * stride] in split order (the bits of the plain loop), eight loads in
+// flight at a time rather than a chain of dependent ones: the split-K partial sums of one output.
+__device__ __forceinline__ float sum_splits(const float* p, size_t stride, int splits) {
+  float sum = 0.f;
+  for (int sp = 0; sp < splits; sp += 8) {
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = sp + j < splits ? __ldcg(p + (size_t)(sp + j) * stride) : 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (sp + j < splits) sum += v[j];
+  }
+  return sum;
+}
+
 __device__ __forceinline__ uint32_t word(const int4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
@@ -427,8 +442,7 @@ __global__ void __launch_bounds__(kWarps * 32, MT * TNW == 1 ? 4 : (MT * TNW <= 
   for (int i = threadIdx.x; i < M * kWidth; i += kWarps * 32) {
     const int tk = i / kWidth, nn = nb + i % kWidth;
     if (nn >= N) continue;
-    float sum = 0.f;
-    for (int sp = 0; sp < splits; ++sp) sum += __ldcg(ws + ((size_t)sp * M + tk) * npad + nn);
+    const float sum = sum_splits(ws + (size_t)tk * npad + nn, (size_t)M * npad, splits);
     y[(size_t)tk * ldy + nn] = epilogue<EPI>(sum * alpha, ep, tk, nn);
   }
   if (threadIdx.x == 0) counters[blockIdx.x] = 0;
@@ -778,8 +792,7 @@ __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
   for (int i = threadIdx.x; i < M * kWidth; i += WG * 128) {
     const int tk = i / kWidth, nn = nb + i % kWidth;
     if (nn >= N) continue;
-    float sum = 0.f;
-    for (int sp = 0; sp < splits; ++sp) sum += __ldcg(ws + ((size_t)sp * M + tk) * npad + nn);
+    const float sum = sum_splits(ws + (size_t)tk * npad + nn, (size_t)M * npad, splits);
     y[(size_t)tk * ldy + nn] = to_bf16(sum * alpha);
   }
   if (threadIdx.x == 0) counters[blockIdx.x] = 0;
