@@ -6,21 +6,13 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
+from engine.data.jsonl import json_depth
+
 T = TypeVar("T")
 Auto = Literal["auto"]
 MetadataKey = Annotated[str, StringConstraints(max_length=64)]  # OpenAI's limits
 MetadataValue = Annotated[str, StringConstraints(max_length=512)]
 MAX_BODY_DEPTH = 32  # a job body nests ~6 levels; deeper is an attack on the parser and the serializer
-
-
-def json_depth(value: Any) -> int:
-    """Nesting depth of a decoded JSON value, without recursion."""
-    depth, frontier = 0, [value]
-    while frontier:
-        depth += 1
-        frontier = [c for v in frontier if isinstance(v, (dict, list))
-                    for c in (v.values() if isinstance(v, dict) else v) if isinstance(c, (dict, list))]
-    return depth
 
 
 class _In(BaseModel):

@@ -70,7 +70,7 @@ def _check_line(raw: bytes, max_line_bytes: int, max_depth: int) -> tuple[str | 
         return f"invalid JSON ({exc.msg} at column {exc.colno})", None
     if not isinstance(row, dict):
         return f"expected a JSON object, got {_kind(row)}", None
-    if _depth(row) > max_depth:
+    if json_depth(row) > max_depth:
         return f"nesting deeper than {max_depth} levels", None
     return row_problem(row), row
 
@@ -111,7 +111,8 @@ def message_text(content: Any) -> str | None:
     return None
 
 
-def _depth(value: Any) -> int:
+def json_depth(value: Any) -> int:
+    """Nesting depth of a decoded JSON value, without recursion."""
     depth, frontier = 0, [value]
     while frontier:
         depth += 1
