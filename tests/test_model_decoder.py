@@ -83,9 +83,11 @@ def test_token_logprobs_equal_log_softmax_and_chunking(qwen3_fp32):
     assert logp.shape == ent.shape == (3, 9) and logp.dtype == torch.float32
     torch.testing.assert_close(logp.double(), logp_ref, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(ent.double(), ent_ref, atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(logp_c, logp, atol=1e-6, rtol=0)
-    torch.testing.assert_close(ent_c, ent, atol=1e-6, rtol=0)
-    torch.testing.assert_close(logp_s[:, 5:], logp[:, 5:], atol=1e-6, rtol=0)
+    # chunks change the head matmul's shapes, hence the CPU BLAS's blocking and fp32 rounding (a few
+    # ulps, depending on the CPU): agreement to fp32 precision, far below any chunking mistake
+    torch.testing.assert_close(logp_c, logp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent_c, ent, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logp_s[:, 5:], logp[:, 5:], atol=1e-5, rtol=1e-5)
     assert (logp_s[:, :5] == 0).all()
 
 
@@ -105,8 +107,8 @@ def test_token_logprobs_gradient_is_chunk_independent(tiny_dirs):
         (logp.sum() + 0.1 * ent.sum()).backward()
         grads.append([p.grad.clone() for p in adapter_params(m)])
         m.zero_grad()
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    for a, b in zip(*grads):  # fp32 sums of other shapes (see above): fp32 precision, not bits
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -172,6 +174,6 @@ def test_gradient_checkpointing_gives_same_gradients(tiny_dirs):
         grads.append([p.grad.clone() for p in adapter_params(m)])
         m.zero_grad()
     assert any(g.abs().sum() > 0 for g in grads[0])
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    for a, b in zip(*grads):  # fp32 sums of other shapes (see above): fp32 precision, not bits
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert all(not p.requires_grad for n, p in m.named_parameters() if "lora_" not in n)

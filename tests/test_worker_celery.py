@@ -143,7 +143,7 @@ def test_a_frozen_worker_cannot_write_after_it_was_reaped(start_workers, pg_sess
             with pg_sessions() as s:
                 job = s.get(Job, jid)
                 return job.attempt == 2 and job.status == "running"
-        _wait(taken_over, 60, "the job to be re-claimed")
+        _wait(taken_over, 120, "the job to be re-claimed")
     finally:
         stale.kill(signal.SIGCONT)
     done = wait_for_status(pg_sessions, jid, ("succeeded", "failed"), timeout=180)
