@@ -174,6 +174,6 @@ def test_gradient_checkpointing_gives_same_gradients(tiny_dirs):
         grads.append([p.grad.clone() for p in adapter_params(m)])
         m.zero_grad()
     assert any(g.abs().sum() > 0 for g in grads[0])
-    for a, b in zip(*grads):  # fp32 sums of other shapes (see above): fp32 precision, not bits
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     assert all(not p.requires_grad for n, p in m.named_parameters() if "lora_" not in n)
