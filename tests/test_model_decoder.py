@@ -97,9 +97,10 @@ def test_token_logprobs_gradient_is_chunk_independent(tiny_dirs):
 
     m, _ = load_model(str(tiny_dirs["llama"]), quantization="bf16", dtype=torch.float32)
     params = apply_lora(m, LoraSpec(r=4), seed=0)
+    gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for p in params:
-            p.normal_(0, 0.05)
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
     ids = _ids(2, 9, 4)
     grads = []
     for chunk in (512, 3):
@@ -107,8 +108,10 @@ def test_token_logprobs_gradient_is_chunk_independent(tiny_dirs):
         (logp.sum() + 0.1 * ent.sum()).backward()
         grads.append([p.grad.clone() for p in adapter_params(m)])
         m.zero_grad()
-    for a, b in zip(*grads):  # fp32 sums of other shapes (see above): fp32 precision, not bits
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # fp32 sums of other shapes (see above) through a backward over a 49152-word head: they agree to
+    # ~1e-5 of the largest gradient (measured on CPUs), a chunking mistake would be off by O(1)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-4 * a.abs().max().item(), rtol=1e-4)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
