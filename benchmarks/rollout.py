@@ -146,6 +146,7 @@ def profile_steps(eng: GraphRollout, tok, prompts, args, steps: int = 16) -> dic
 def profile_prefill(eng: GraphRollout, prompts) -> dict:
     """Wall time, GPU kernel time and the top kernels and host ops of one prefill (the
     left-padded prompts into the engine's cache, as a rollout runs it)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from engine.rollout.batching import left_pad
@@ -167,8 +168,6 @@ def profile_prefill(eng: GraphRollout, prompts) -> dict:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         once()
         torch.cuda.synchronize()
-    from torch.autograd import DeviceType
-
     events = prof.key_averages()
     dev = lambda ev: getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0.0)  # noqa: E731
     # kernels only: the host op that launched a kernel carries its time too, and would count it twice
