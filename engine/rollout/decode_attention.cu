@@ -12,7 +12,8 @@
 // the block writes the output; otherwise it writes its partial (output, max, sum) to a
 // workspace, and the last block of a (row, kv head) to arrive (an atomic ticket, reset by that
 // block) combines the splits in split order, so results do not depend on the order blocks
-// finish in.
+// finish in; it loads eight splits' partials at a time before adding them (a chain of one load
+// per split made the combine the longest part of a call: up to 64 round trips to L2).
 //
 // Launched with programmatic dependent launch (../kernels/pdl.cuh): the kernel touches memory
 // only after griddepcontrol.wait and releases its dependents after it.
@@ -248,12 +249,37 @@ decode_attention_kernel(const bf16* __restrict__ q, const bf16* __restrict__ kc,
     sm_m[i] = m == -INFINITY ? 0.f : exp2f(m - m_s[r]) * l_s[r];
   }
   __syncthreads();
-  for (int i = t; i < n_rep * D; i += kThreads) {
-    const int r = i / D, d = i % D;
-    float acc = 0.f;
-#pragma unroll 4
-    for (int sp = 0; sp < splits; ++sp) acc = fmaf(sm_m[sp * n_rep + r], __ldcg(wg + (sp * n_rep + r) * rec + d), acc);
-    out[(head0 + r) * D + d] = __float2bfloat16_rn(acc);
+  // Thread (kg, dim) adds the splits' outputs of heads kg, kg + KG, ... at dimension dim, in split
+  // order; the partials of kSplitBatch splits for all its heads are loaded before any is used, so
+  // a combine costs ceil(splits / kSplitBatch) round trips to L2 rather than one per split.
+  constexpr int RPT = (kMaxRep + KG - 1) / KG;  // heads per thread
+  constexpr int kSplitBatch = 8;
+  float acc[RPT];
+#pragma unroll
+  for (int j = 0; j < RPT; ++j) acc[j] = 0.f;
+  for (int sp0 = 0; sp0 < splits; sp0 += kSplitBatch) {
+    float v[kSplitBatch][RPT];
+#pragma unroll
+    for (int e = 0; e < kSplitBatch; ++e) {
+#pragma unroll
+      for (int j = 0; j < RPT; ++j) {
+        const int r = kg + j * KG;
+        v[e][j] = sp0 + e < splits && r < n_rep ? __ldcg(wg + ((sp0 + e) * n_rep + r) * rec + dim) : 0.f;
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < kSplitBatch; ++e) {
+#pragma unroll
+      for (int j = 0; j < RPT; ++j) {
+        const int r = kg + j * KG;
+        if (sp0 + e < splits && r < n_rep) acc[j] = fmaf(sm_m[(sp0 + e) * n_rep + r], v[e][j], acc[j]);
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < RPT; ++j) {
+    const int r = kg + j * KG;
+    if (r < n_rep) out[(head0 + r) * D + dim] = __float2bfloat16_rn(acc[j]);
   }
 }
 
