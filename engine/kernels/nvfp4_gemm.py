@@ -31,7 +31,9 @@ from engine.kernels import nvfp4_layout as layout
 SMALL_M_MAX = 128
 # Launch shape, measured on H200 (132 SMs; benchmarks/gemm_nvfp4.py --sweep): the blocks to aim
 # for by activation rows (K is split until the grid has about this many; split partial sums cost
-# more as M grows), two weight tiles per warp when one would already give _WIDE times that.
+# more as M grows), two weight tiles per warp when one would already give _WIDE times that, and
+# at 2 rows. One row takes one tile per warp: per call the two were within a few percent, and in
+# the decode step (7B, batch 1, measured side by side) one tile gave 2.79 ms per step against 2.84.
 _TARGET_BLOCKS = ((2, 800), (8, 320), (16, 300), (32, 200), (64, 120), (128, 120))
 _WIDE = 1.4
 _VARIANTS = {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (16, 1)}
@@ -183,7 +185,7 @@ def small_config(m: int, p: PreparedNVFP4, device: torch.device, tnw: int | None
     mt = _m_tiles(m)
     target = next(b for rows, b in _TARGET_BLOCKS if m <= rows) * sm_count(device) / 132
     if tnw is None:
-        wide = m <= 2 or -(-p.ntiles // 8) > _WIDE * target
+        wide = m == 2 or -(-p.ntiles // 8) > _WIDE * target
         tnw = 2 if wide and (mt, 2) in _VARIANTS else 1
     if (mt, tnw) not in _VARIANTS:
         raise ValueError(f"no fused kernel for {mt * 8} rows with {tnw} weight tiles per warp")
