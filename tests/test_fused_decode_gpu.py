@@ -249,8 +249,8 @@ def test_pdl_chain_in_graph_equals_pdl_off_and_reference(ops, b, fused, monkeypa
 def test_fused_shrinks_equal_the_kernels_they_replace(ops, rows):
     """add_rmsnorm_shrink = add_rmsnorm then lora_shrink, silu_mul_shrink = silu_mul then
     lora_shrink: the same bits (outputs and s), x left as it was by the fused kernel, with and
-    without a projection output, bias and LoRA term, one and several K blocks, fused (one wave of
-    blocks) and not."""
+    without a projection output, bias and LoRA term, one and several K blocks, fused with 1, 2, 4
+    and 8 rank rows per block (the fewest that keep one wave of blocks) and not fused."""
     g = torch.Generator("cuda").manual_seed(rows)
 
     def rnd(*s, scale=1.0):
@@ -266,7 +266,7 @@ def test_fused_shrinks_equal_the_kernels_they_replace(ops, rows):
             bias = rnd(hdim).bfloat16() if with_bias else None
             lora = LoraTerm(rnd(rows, 2 * 4), rnd(4, hdim, scale=0.1), 4, 100, 2**31 - 1) if with_lora else None
             x0 = x.clone()
-            fused = ops._one_wave(rows, hdim, a_h)  # else add_rmsnorm (in place) and lora_shrink
+            fused = ops._fused_ranks(rows, hdim, a_h) is not None  # else add_rmsnorm (x in place), lora_shrink
             got = ops.add_rmsnorm_shrink(x, y, bias, lora, w, 1e-6, a_h)
             assert not fused or torch.equal(x, x0), f"{what}: the fused kernel wrote x"
             xr, hr = ops.add_rmsnorm(x0.clone(), y, bias, lora, w, 1e-6)
@@ -280,6 +280,14 @@ def test_fused_shrinks_equal_the_kernels_they_replace(ops, rows):
             ref = ops.silu_mul(gu, bias2, lora2)
             assert torch.equal(out, ref), f"{what}: silu * up differs"
             assert torch.equal(s, ops.lora_shrink(ref, a_i)), f"{what}: down shrink differs"
+    # rank rows per block in these cases (132 SMs): 1, 2 (3 rows of 27648 x 7), 4 (8 rows of 27648 x 7),
+    # 8 (13 rows of 27648 x 7) and none (3 rows of 3584 x 48: one K block, one rank row per block)
+    from engine.kernels.nvfp4_gemm import sm_count
+
+    if sm_count(torch.device("cuda")) == 132:  # H100 / H200
+        a7 = rnd(7, 4)
+        assert [ops._fused_ranks(r, 27648, a7) for r in (1, 3, 8, 13)] == [1, 2, 4, 8]
+        assert ops._fused_ranks(3, 3584, rnd(48, 4)) is None
     x = rnd(2, 1024).bfloat16()
     assert ops.add_rmsnorm_shrink(x, None, None, None, w[:1024], 1e-6, None)[2] is None
     assert ops.silu_mul_shrink(rnd(2, 64).bfloat16(), None, None, None)[1] is None

@@ -88,22 +88,26 @@ struct Shrink {
   int rtot;
 };
 
-// This thread's 4 inputs of row j of a (zeros past k).
-__device__ __forceinline__ float4 shrink_a(const Shrink& S, int k) {
+// This thread's 4 inputs of row j of a (zeros past k and for j >= rtot).
+__device__ __forceinline__ float4 shrink_a(const Shrink& S, int k, int j) {
   const int i = blockIdx.y * kShrinkInputs + threadIdx.x * 4;
-  if (i >= k) return make_float4(0.f, 0.f, 0.f, 0.f);
-  return *reinterpret_cast<const float4*>(S.a + (long long)blockIdx.x * k + i);
+  if (i >= k || j >= S.rtot) return make_float4(0.f, 0.f, 0.f, 0.f);
+  return *reinterpret_cast<const float4*>(S.a + (long long)j * k + i);
 }
 
 __device__ __forceinline__ float shrink_dot(const float4& av, float x0, float x1, float x2, float x3) {
   return fmaf(av.x, x0, fmaf(av.y, x1, fmaf(av.z, x2, av.w * x3)));
 }
 
-// Adds the threads' products acc[q] (row r0 + q, q < nr) of this block and writes s (see above);
-// the block's tickets are those of blockIdx.z.
-template <int NR>
+// Adds the threads' products acc[q] (q < nr) of this block and writes s (see above): in the rows
+// mode acc[q] is row r0 + q of rank row j = blockIdx.x, in the ranks mode (RANKS) rank row
+// blockIdx.x * NR + q of row r0. The block's ticket is (blockIdx.z, its first rank row).
+template <int NR, bool RANKS = false>
 __device__ __forceinline__ void shrink_finish(const Shrink& S, const float (&acc)[NR], int rows, int r0, int nr) {
-  const int j = blockIdx.x, kbi = blockIdx.y, kb = gridDim.y, rtot = S.rtot;
+  const int kbi = blockIdx.y, kb = gridDim.y, rtot = S.rtot;
+  const int j0 = RANKS ? blockIdx.x * NR : blockIdx.x;
+  // offset of acc[q]'s output in s (rows, rtot), and in each K block's slice of ws
+  auto at = [&](int q) { return RANKS ? (long long)r0 * rtot + j0 + q : (long long)(r0 + q) * rtot + j0; };
   __shared__ float part[NR][kShrinkWarps];
   __shared__ int is_last;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -115,24 +119,24 @@ __device__ __forceinline__ void shrink_finish(const Shrink& S, const float (&acc
   }
   __syncthreads();
   float* out = kb == 1 ? S.s : S.ws + (long long)kbi * rows * rtot;  // this block's sums
-  if (warp < nr) {  // warp q adds row q's warp sums
+  if (warp < nr) {  // warp q adds output q's warp sums
     float v = part[warp][lane];
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (lane == 0) out[(long long)(r0 + warp) * rtot + j] = v;
+    if (lane == 0) out[at(warp)] = v;
   }
   if (kb == 1) return;
   __threadfence();
   __syncthreads();
-  int* ticket = S.tickets + blockIdx.z * rtot + j;
+  int* ticket = S.tickets + blockIdx.z * rtot + j0;
   if (threadIdx.x == 0) is_last = atomicAdd(ticket, 1) == kb - 1;
   __syncthreads();
   if (!is_last) return;
   __threadfence();
   if (warp < nr) {  // lane p adds blocks p, p + 32, ...; then the warp adds its lanes
     float v = 0.f;
-    for (int b = lane; b < kb; b += 32) v += __ldcg(S.ws + ((long long)b * rows + r0 + warp) * rtot + j);
+    for (int b = lane; b < kb; b += 32) v += __ldcg(S.ws + (long long)b * rows * rtot + at(warp));
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (lane == 0) S.s[(long long)(r0 + warp) * rtot + j] = v;
+    if (lane == 0) S.s[at(warp)] = v;
   }
   if (threadIdx.x == 0) *ticket = 0;
 }
@@ -148,7 +152,7 @@ __global__ void __launch_bounds__(kShrinkThreads)
     lora_shrink_kernel(const bf16* __restrict__ x, int ldx, const Shrink S, int rows, int k) {
   const int r0 = blockIdx.z * 8, nr = min(8, rows - r0);
   const int i = blockIdx.y * kShrinkInputs + threadIdx.x * 4;
-  const float4 av = shrink_a(S, k);
+  const float4 av = shrink_a(S, k, blockIdx.x);
   pdl_wait_then_release();
   float acc[8];
 #pragma unroll
@@ -232,18 +236,39 @@ __global__ void add_rmsnorm_kernel(bf16* x, const bf16* __restrict__ y, const bf
   }
 }
 
+// This block's RB rank rows of a (ranks blockIdx.x * RB ..), its thread's 4 inputs of each.
+template <int RB>
+__device__ __forceinline__ void shrink_rows(const Shrink& S, int k, float4 (&av)[RB]) {
+#pragma unroll
+  for (int q = 0; q < RB; ++q) av[q] = shrink_a(S, k, blockIdx.x * RB + q);
+}
+
+// acc[q] = av[q] . (h0, h1, h2, h3), written out by shrink_finish for RB rank rows of row `row`.
+template <int RB>
+__device__ __forceinline__ void shrink_rank_rows(const Shrink& S, const float4 (&av)[RB], const float (&hv)[4],
+                                                 bool in, int rows, int row) {
+  float acc[RB];
+#pragma unroll
+  for (int q = 0; q < RB; ++q) acc[q] = in ? shrink_dot(av[q], hv[0], hv[1], hv[2], hv[3]) : 0.f;
+  shrink_finish<RB, true>(S, acc, rows, row, min(RB, S.rtot - (int)blockIdx.x * RB));
+}
+
 // Residual add + RMSNorm (as add_rmsnorm_kernel, without a LoRA term) and the next projection's
-// shrink in one launch: grid (rtot, kb, rows), block 1024 (the shrink's). Every block computes
-// the norm of its row (the whole row, the same sums as add_rmsnorm_kernel<1024>) and the normed
-// inputs of its 4096-input range, which blocks j = 0 also write out (x_out: the new residual,
-// never x itself: other blocks still read x), and adds them times row j of a.
+// shrink in one launch: grid (ceil(rtot / RB), kb, rows), block 1024 (the shrink's). Every block
+// computes the norm of its row (the whole row, the same sums as add_rmsnorm_kernel<1024>) and the
+// normed inputs of its 4096-input range, which blocks x = 0 also write out (x_out: the new
+// residual, never x itself: other blocks still read x), and adds them times RB rows of a (one row
+// per block at one row of x; more where that would be more blocks than SMs, so that the launch
+// stays one wave).
+template <int RB>
 __global__ void __launch_bounds__(kShrinkThreads)
     add_rmsnorm_shrink_kernel(const bf16* __restrict__ x, const bf16* __restrict__ y, const bf16* __restrict__ bias,
                               const float* __restrict__ w, float eps, bf16* __restrict__ x_out,
                               bf16* __restrict__ h_out, const Shrink S, int rows, int hdim) {
   const long long row = blockIdx.z;
   const int i = blockIdx.y * kShrinkInputs + threadIdx.x * 4;
-  const float4 av = shrink_a(S, hdim);
+  float4 av[RB];
+  shrink_rows<RB>(S, hdim, av);
   pdl_wait_then_release();
   const Lora none{nullptr, nullptr, 0, 0, 0, 0, 0};
   float ss = 0.f;
@@ -252,9 +277,8 @@ __global__ void __launch_bounds__(kShrinkThreads)
     ss += v * v;
   }
   const float r = rsqrtf(block_sum<kShrinkThreads>(ss) / (float)hdim + eps);
-  float acc[1] = {0.f};
+  float hv[4] = {0.f, 0.f, 0.f, 0.f};
   if (i < hdim) {
-    float hv[4];
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const float v = residual(x, y, bias, none, row, i + c, hdim);
@@ -264,33 +288,32 @@ __global__ void __launch_bounds__(kShrinkThreads)
         h_out[row * hdim + i + c] = __float2bfloat16_rn(hv[c]);
       }
     }
-    acc[0] = shrink_dot(av, hv[0], hv[1], hv[2], hv[3]);
   }
-  shrink_finish(S, acc, rows, (int)row, 1);
+  shrink_rank_rows<RB>(S, av, hv, i < hdim, rows, (int)row);
 }
 
 // SiLU * up (as silu_mul_kernel, without a LoRA term) and the down projection's shrink in one
-// launch: grid (rtot, kb = ceil(I / 4096), rows), block 1024; blocks j = 0 write out.
+// launch: grid (ceil(rtot / RB), kb = ceil(I / 4096), rows), block 1024; blocks x = 0 write out.
+template <int RB>
 __global__ void __launch_bounds__(kShrinkThreads)
     silu_mul_shrink_kernel(const bf16* __restrict__ gu, const bf16* __restrict__ bias, bf16* __restrict__ out,
                            const Shrink S, int rows, int inter) {
   const long long row = blockIdx.z;
   const int i = blockIdx.y * kShrinkInputs + threadIdx.x * 4;
-  const float4 av = shrink_a(S, inter);
+  float4 av[RB];
+  shrink_rows<RB>(S, inter, av);
   pdl_wait_then_release();
   const Lora none{nullptr, nullptr, 0, 0, 0, 0, 0};
-  float acc[1] = {0.f};
+  float o4[4] = {0.f, 0.f, 0.f, 0.f};
   if (i < inter) {
-    float o4[4];
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       o4[c] = silu_times(proj(gu, bias, none, row, i + c, 2 * inter),
                          proj(gu, bias, none, row, inter + i + c, 2 * inter));
       if (blockIdx.x == 0) out[row * inter + i + c] = __float2bfloat16_rn(o4[c]);
     }
-    acc[0] = shrink_dot(av, o4[0], o4[1], o4[2], o4[3]);
   }
-  shrink_finish(S, acc, rows, (int)row, 1);
+  shrink_rank_rows<RB>(S, av, o4, i < inter, rows, (int)row);
 }
 
 // grid (ceil(I / 256), rows), block 256. gu (rows, 2I) = [gate | up] -> bf16(bf16(silu(g)) * u).
@@ -344,23 +367,40 @@ int qerl_lora_shrink(const void* x, int ldx, SHRINK_ARGS, int rows, int k, void*
                      k);
 }
 
-// x_out = x + y (+ bias), h = RMSNorm(x_out) * w, s = h @ a^T (x_out must not be x).
-int qerl_add_rmsnorm_shrink(const void* x, const void* y, const void* bias, const void* w, float eps, void* x_out,
-                            void* h, SHRINK_ARGS, int rows, int hdim, void* stream) {
-  dim3 grid;
-  if (x == x_out) return (int)cudaErrorInvalidValue;
-  if (int err = shrink_grid(rows, 1, hdim, rtot, ws, tickets, &grid)) return err;
-  return (int)launch(add_rmsnorm_shrink_kernel, grid, dim3(kShrinkThreads), stream, (const bf16*)x, (const bf16*)y,
-                     (const bf16*)bias, (const float*)w, eps, (bf16*)x_out, (bf16*)h, SHRINK_MAKE, rows, hdim);
+// The fused kernels' grid: (ceil(rtot / rb), kb, rows) for rb rank rows per block (1, 2, 4, 8).
+static int fused_grid(int rows, int k, int rtot, int rb, const void* ws, const void* tickets, dim3* grid) {
+  if (rb != 1 && rb != 2 && rb != 4 && rb != 8) return (int)cudaErrorInvalidValue;
+  if (int err = shrink_grid(rows, 1, k, rtot, ws, tickets, grid)) return err;
+  grid->x = (rtot + rb - 1) / rb;
+  return 0;
 }
 
-// out = silu(gate (+ bias)) * (up (+ bias)) for gu = [gate | up] (rows, 2 inter), s = out @ a^T.
-int qerl_silu_mul_shrink(const void* gu, const void* bias, void* out, SHRINK_ARGS, int rows, int inter,
+#define QERL_RB_CASES(KERNEL, ...)                                                              \
+  switch (rb) {                                                                                \
+    case 1: return (int)launch(KERNEL<1>, grid, dim3(kShrinkThreads), stream, __VA_ARGS__);    \
+    case 2: return (int)launch(KERNEL<2>, grid, dim3(kShrinkThreads), stream, __VA_ARGS__);    \
+    case 4: return (int)launch(KERNEL<4>, grid, dim3(kShrinkThreads), stream, __VA_ARGS__);    \
+    default: return (int)launch(KERNEL<8>, grid, dim3(kShrinkThreads), stream, __VA_ARGS__);   \
+  }
+
+// x_out = x + y (+ bias), h = RMSNorm(x_out) * w, s = h @ a^T (x_out must not be x); rb rank rows
+// of a per block.
+int qerl_add_rmsnorm_shrink(const void* x, const void* y, const void* bias, const void* w, float eps, void* x_out,
+                            void* h, SHRINK_ARGS, int rows, int hdim, int rb, void* stream) {
+  dim3 grid;
+  if (x == x_out) return (int)cudaErrorInvalidValue;
+  if (int err = fused_grid(rows, hdim, rtot, rb, ws, tickets, &grid)) return err;
+  QERL_RB_CASES(add_rmsnorm_shrink_kernel, (const bf16*)x, (const bf16*)y, (const bf16*)bias, (const float*)w, eps,
+                (bf16*)x_out, (bf16*)h, SHRINK_MAKE, rows, hdim)
+}
+
+// out = silu(gate (+ bias)) * (up (+ bias)) for gu = [gate | up] (rows, 2 inter), s = out @ a^T;
+// rb rank rows of a per block.
+int qerl_silu_mul_shrink(const void* gu, const void* bias, void* out, SHRINK_ARGS, int rows, int inter, int rb,
                          void* stream) {
   dim3 grid;
-  if (int err = shrink_grid(rows, 1, inter, rtot, ws, tickets, &grid)) return err;
-  return (int)launch(silu_mul_shrink_kernel, grid, dim3(kShrinkThreads), stream, (const bf16*)gu, (const bf16*)bias,
-                     (bf16*)out, SHRINK_MAKE, rows, inter);
+  if (int err = fused_grid(rows, inter, rtot, rb, ws, tickets, &grid)) return err;
+  QERL_RB_CASES(silu_mul_shrink_kernel, (const bf16*)gu, (const bf16*)bias, (bf16*)out, SHRINK_MAKE, rows, inter)
 }
 
 int qerl_lora_expand(const void* y, const void* bias, LORA_ARGS, void* out, int rows, int n, int ld_y,

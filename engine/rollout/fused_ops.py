@@ -166,23 +166,32 @@ class CudaOps:
         self._check(err, "LoRA shrink")
         return s
 
-    def _one_wave(self, rows: int, k: int, a: torch.Tensor) -> bool:
-        """Whether a fused shrink kernel (one block per row, rank row and 4096 inputs) fits in one
-        block per SM. Measured on H200 (7B shapes): at 1 row it saves the shrink's launch; at 8
-        rows (384 blocks of 1024 threads) it made the step slower than the two kernels it
-        replaces (the next NVFP4 GEMM's early-launched blocks found no room to start streaming)."""
+    def _fused_ranks(self, rows: int, k: int, a: torch.Tensor) -> int | None:
+        """Rank rows of A per block for a fused shrink kernel (blocks of 1024 threads, one per row,
+        4096 inputs and rank-row group), or None for the two kernels instead: the fewest that keep
+        the grid within one block per SM, from 1, 2, 4, 8 where the inputs span two or more K
+        blocks and from 1 alone otherwise. Measured on H200 (decode step, r=16): at 1 row one rank
+        row per block saves the shrink's launch; at 8 rows one rank row per block (384 blocks at
+        7B) made the step slower than the two kernels (the next NVFP4 GEMM's early-launched blocks
+        found no room to start streaming); grouped rank rows at 8 rows gained at 14B and 32B
+        (hidden 5120: 8.23 -> 7.91 and 12.24 -> 11.80 ms per step) and lost at 7B (hidden 3584,
+        one K block: 3.85 -> 3.98)."""
         from engine.kernels.nvfp4_gemm import sm_count
 
-        return rows * a.shape[0] * -(-k // SHRINK_BLOCK_INPUTS) <= sm_count(a.device)
+        kb = -(-k // SHRINK_BLOCK_INPUTS)
+        return next((rb for rb in ((1, 2, 4, 8) if kb > 1 else (1,))
+                     if rows * kb * -(-a.shape[0] // rb) <= sm_count(a.device)), None)
 
     def add_rmsnorm_shrink(self, x, y, bias, lora, w, eps: float, a: torch.Tensor | None):
         """(x + projection, its RMSNorm h, h @ a^T) in one launch (after the expand's, with a LoRA
-        term), x not written in place. Without a: add_rmsnorm and None; above one wave of blocks:
-        add_rmsnorm (x updated in place) and lora_shrink."""
+        term), x not written in place. Without a: add_rmsnorm and None; where even eight rank rows
+        per block make more than one wave of blocks: add_rmsnorm (x updated in place) and
+        lora_shrink."""
         if a is None:
             return (*self.add_rmsnorm(x, y, bias, lora, w, eps), None)
         b, h = x.shape
-        if not self._one_wave(b, h, a):
+        rb = self._fused_ranks(b, h, a)
+        if rb is None:
             x, out = self.add_rmsnorm(x, y, bias, lora, w, eps)
             return x, out, self.lora_shrink(out, a)
         if lora is not None:
@@ -191,25 +200,26 @@ class CudaOps:
         s, args = self._shrink_args(b, h, a, rows_per_block=1)
         err = self.lib.qerl_add_rmsnorm_shrink(_ptr(x.contiguous()), _ptr(None if y is None else y.contiguous()),
                                                _ptr(bias), _ptr(w), ctypes.c_float(eps), _ptr(x_out), _ptr(out),
-                                               *args, b, h, self._stream(x))
+                                               *args, b, h, rb, self._stream(x))
         self._check(err, "fused residual + RMSNorm + LoRA shrink")
         return x_out, out, s
 
     def silu_mul_shrink(self, gu, bias, lora, a: torch.Tensor | None):
         """(silu(gate) * up, that @ a^T) in one launch. Without a: silu_mul and None. With gate/up's
         own LoRA term still to add (in the shrink's blocks its expand would be repeated once per
-        rank) or above one wave of blocks: silu_mul and lora_shrink."""
+        rank group) or above one wave of blocks: silu_mul and lora_shrink."""
         if a is None:
             return self.silu_mul(gu, bias, lora), None
         b, n2 = gu.shape
         inter = n2 // 2
-        if lora is not None or not self._one_wave(b, inter, a):
+        rb = None if lora is not None else self._fused_ranks(b, inter, a)
+        if rb is None:
             out = self.silu_mul(gu, bias, lora)
             return out, self.lora_shrink(out, a)
         gu = gu.contiguous()
         out = torch.empty(b, inter, dtype=gu.dtype, device=gu.device)
         s, args = self._shrink_args(b, inter, a, rows_per_block=1)
-        err = self.lib.qerl_silu_mul_shrink(_ptr(gu), _ptr(bias), _ptr(out), *args, b, inter, self._stream(gu))
+        err = self.lib.qerl_silu_mul_shrink(_ptr(gu), _ptr(bias), _ptr(out), *args, b, inter, rb, self._stream(gu))
         self._check(err, "fused SiLU * up + LoRA shrink")
         return out, s
 
@@ -259,8 +269,8 @@ _P, _I = ctypes.c_void_p, ctypes.c_int
 _LORA = [_P, _P, _I, _I, _I, _I, _I]
 _SIGNATURES = {
     "qerl_lora_shrink": [_P, _I, _P, _P, _P, _P, _I, _I, _I, _P],
-    "qerl_add_rmsnorm_shrink": [_P, _P, _P, _P, ctypes.c_float, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P],
-    "qerl_silu_mul_shrink": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P],
+    "qerl_add_rmsnorm_shrink": [_P, _P, _P, _P, ctypes.c_float, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P],
+    "qerl_silu_mul_shrink": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P],
     "qerl_qkv_rope_cache": [_P, _P, *_LORA, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_longlong,
                             ctypes.c_longlong, _I, _I, _P],
     "qerl_add_rmsnorm": [_P, _P, _P, *_LORA, _P, ctypes.c_float, _P, _I, _I, _P],
