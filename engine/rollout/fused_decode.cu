@@ -257,9 +257,8 @@ __device__ __forceinline__ void shrink_rank_rows(const Shrink& S, const float4 (
 // shrink in one launch: grid (ceil(rtot / RB), kb, rows), block 1024 (the shrink's). Every block
 // computes the norm of its row (the whole row, the same sums as add_rmsnorm_kernel<1024>) and the
 // normed inputs of its 4096-input range, which blocks x = 0 also write out (x_out: the new
-// residual, never x itself: other blocks still read x), and adds them times RB rows of a (one row
-// per block at one row of x; more where that would be more blocks than SMs, so that the launch
-// stays one wave).
+// residual, never x itself: other blocks still read x), and adds them times RB rows of a (the
+// caller picks RB so that the launch stays one wave of blocks: fused_ops.CudaOps._fused_ranks).
 template <int RB>
 __global__ void __launch_bounds__(kShrinkThreads)
     add_rmsnorm_shrink_kernel(const bf16* __restrict__ x, const bf16* __restrict__ y, const bf16* __restrict__ bias,
