@@ -250,7 +250,8 @@ def test_fused_shrinks_equal_the_kernels_they_replace(ops, rows):
     """add_rmsnorm_shrink = add_rmsnorm then lora_shrink, silu_mul_shrink = silu_mul then
     lora_shrink: the same bits (outputs and s), x left as it was by the fused kernel, with and
     without a projection output, bias and LoRA term, one and several K blocks, fused with 1, 2, 4
-    and 8 rank rows per block (the fewest that keep one wave of blocks) and not fused."""
+    and 8 rank rows per block (silu * up at 27648 x 7 for rows 1, 3, 8, 13 on 132 SMs: see
+    tests/test_rollout_cuda_graph.py's rule test) and not fused."""
     g = torch.Generator("cuda").manual_seed(rows)
 
     def rnd(*s, scale=1.0):
@@ -280,14 +281,6 @@ def test_fused_shrinks_equal_the_kernels_they_replace(ops, rows):
             ref = ops.silu_mul(gu, bias2, lora2)
             assert torch.equal(out, ref), f"{what}: silu * up differs"
             assert torch.equal(s, ops.lora_shrink(ref, a_i)), f"{what}: down shrink differs"
-    # rank rows per block in these cases (132 SMs): 1, 2 (3 rows of 27648 x 7), 4 (8 rows of 27648 x 7),
-    # 8 (13 rows of 27648 x 7) and none (3 rows of 3584 x 48: one K block, one rank row per block)
-    from engine.kernels.nvfp4_gemm import sm_count
-
-    if sm_count(torch.device("cuda")) == 132:  # H100 / H200
-        a7 = rnd(7, 4)
-        assert [ops._fused_ranks(r, 27648, a7) for r in (1, 3, 8, 13)] == [1, 2, 4, 8]
-        assert ops._fused_ranks(3, 3584, rnd(48, 4)) is None
     x = rnd(2, 1024).bfloat16()
     assert ops.add_rmsnorm_shrink(x, None, None, None, w[:1024], 1e-6, None)[2] is None
     assert ops.silu_mul_shrink(rnd(2, 64).bfloat16(), None, None, None)[1] is None
