@@ -75,8 +75,9 @@ __global__ void lora_expand_kernel(const bf16* __restrict__ y, const bf16* __res
 // on every run. A is read before the PDL wait (no kernel of a decode step writes it).
 // Three kernels share it: the plain shrink, and two that first compute the inputs x themselves
 // (residual add + RMSNorm, SiLU * up), writing them out from the blocks of j = 0, so that the
-// shrink of the next projection costs no launch of its own; those two take one row per block
-// (grid (rtot, kb, rows)), so that a batch of rows costs no more latency than one.
+// shrink of the next projection costs no launch of its own; those two take one row per block and
+// RB rank rows of a (grid (ceil(rtot / RB), kb, rows)), so that a batch of rows costs no more
+// latency than one.
 constexpr int kShrinkThreads = 1024, kShrinkWarps = kShrinkThreads / 32;
 constexpr int kShrinkInputs = 4 * kShrinkThreads;  // inputs per block
 
@@ -342,10 +343,10 @@ extern "C" {
 #define LORA_ARGS const void *ls, const void *lb, int lr, int lds, int ldb, int n1, int n2
 #define LORA_MAKE Lora{(const float*)ls, (const float*)lb, lr, lds, ldb, n1, n2}
 
-// The shrinks' launches: grid (rtot, ceil(k / 4096), ceil(rows / 8)) for the plain shrink, (rtot,
-// ceil(k / 4096), rows) for the fused ones. With k > 4096, ws holds ceil(k / 4096) * rows * rtot
-// floats and tickets (grid z) * rtot ints, all zero before the first call (each call leaves them
-// zero); unused otherwise.
+// The shrinks' launches: grid (rtot, ceil(k / 4096), ceil(rows / 8)) for the plain shrink,
+// (ceil(rtot / rb), ceil(k / 4096), rows) for the fused ones. With k > 4096, ws holds
+// ceil(k / 4096) * rows * rtot floats and tickets (grid z) * rtot ints, all zero before the first
+// call (each call leaves them zero); unused otherwise.
 #define SHRINK_ARGS const void *a, void *s, void *ws, void *tickets, int rtot
 static int shrink_grid(int rows, int rows_per_block, int k, int rtot, const void* ws, const void* tickets,
                        dim3* grid) {

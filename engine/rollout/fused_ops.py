@@ -207,7 +207,8 @@ class CudaOps:
     def silu_mul_shrink(self, gu, bias, lora, a: torch.Tensor | None):
         """(silu(gate) * up, that @ a^T) in one launch. Without a: silu_mul and None. With gate/up's
         own LoRA term still to add (in the shrink's blocks its expand would be repeated once per
-        rank group) or above one wave of blocks: silu_mul and lora_shrink."""
+        rank group) or where even eight rank rows per block make more than one wave of blocks:
+        silu_mul and lora_shrink."""
         if a is None:
             return self.silu_mul(gu, bias, lora), None
         b, n2 = gu.shape
