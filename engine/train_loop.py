@@ -109,7 +109,7 @@ class _Run:
     def _setup(self) -> None:
         from engine.data import load_examples
         from engine.lora import adapter_params
-        from engine.model import load_model
+        from engine.model import compute_dtype, load_model
         from engine.optim import build_optimizer, build_scheduler
         from engine.rewards import build_grader
         from engine.rollout import SamplingParams
@@ -130,8 +130,10 @@ class _Run:
         except (ValueError, FileNotFoundError) as exc:
             raise TrainError("invalid_dataset", str(exc)) from None
         try:
+            # bf16 values throughout; held in fp32 on a CPU without a bf16 fast path (compute_dtype)
             self.model, self.tokenizer = load_model(spec.model, quantization=spec.quantization, lora=spec.lora,
-                                                    device=self.device)
+                                                    device=self.device, dtype=compute_dtype(self.device),
+                                                    source_dtype=torch.bfloat16)
         except (ValueError, FileNotFoundError) as exc:
             raise TrainError("unknown_model", str(exc)) from None
         self.model_dir = getattr(self.model, "model_dir", None) or _model_dir(spec.model)
@@ -194,8 +196,9 @@ class _Run:
         else:
             self.reporter.event("info", f"Training {spec.model} ({spec.quantization} base, LoRA r={spec.lora.r}, "
                                         f"{spec.rl.algorithm}, AQN {'on' if spec.aqn.enabled else 'off'}) for "
-                                        f"{spec.steps} steps on {self.device.type}",
+                                        f"{spec.steps} steps on {self.device.type}{_dtype_note(self.model)}",
                                 {"steps": spec.steps, "device": str(self.device), "rollout_backend": self.rollout.name,
+                                 "compute_dtype": str(self.model.dtype).removeprefix("torch."),
                                  "train_prompts": len(self.train_prompts), "eval_prompts": len(self.eval_prompts)})
         if self.step == 0 and not self.initial_eval:
             result = self._evaluate()
@@ -398,6 +401,13 @@ class _Run:
 
         return write_adapter(self.model, self.workdir / "adapter", spec=self.spec, steps=self.step,
                              metrics=self._final_metrics(), model_dir=self.model_dir, stopped=stopped)
+
+
+def _dtype_note(model: Any) -> str:
+    """The start message's note when a CPU job computes in fp32 (engine.model.compute_dtype)."""
+    if model.dtype == torch.float32 and model.device.type == "cpu":
+        return " (bf16 weights computed in fp32: this CPU has no fast bf16 matmul)"
+    return ""
 
 
 @contextmanager

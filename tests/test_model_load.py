@@ -101,3 +101,34 @@ def test_atomic_dir_keeps_the_first_complete_copy(tmp_path):
     assert [p.name for p in final.iterdir()] == ["theirs"]
     assert [p.name for p in final.parent.iterdir()] == ["m"]  # no temporary left behind
     assert atomic_dir(final, lambda t: pytest.fail("must not rewrite an existing copy")) == final
+
+
+@pytest.mark.parametrize("quantization", ["nvfp4", "nf4", "bf16"])
+def test_bf16_values_held_in_fp32(qwen2_dir, quantization):
+    """source_dtype=bf16 under dtype=fp32 (CPU jobs without a bf16 fast path): every tensor holds
+    the bf16 model's value, the 4-bit codes and scales are the same bits, and the two models give
+    the same greedy tokens."""
+    a, _ = load_model(str(qwen2_dir), quantization=quantization)
+    b, _ = load_model(str(qwen2_dir), quantization=quantization, dtype=torch.float32, source_dtype=torch.bfloat16)
+    assert b.dtype == torch.float32 and b.lm_head.weight.dtype == torch.float32
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k, va in sa.items():
+        vb = sb[k]
+        if va.dtype == torch.bfloat16:
+            assert vb.dtype == torch.float32 and torch.equal(va.float(), vb), k
+        else:
+            assert vb.dtype == va.dtype and torch.equal(va.view(torch.uint8), vb.view(torch.uint8)), k
+    ids = torch.randint(0, a.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    la, lb = a.logits(a(ids)).float(), b.logits(b(ids)).float()
+    assert (la - lb).abs().max() < 0.05 * la.abs().max()  # bf16 vs fp32 arithmetic only
+
+
+def test_compute_dtype_is_fp32_where_cpu_bf16_is_slow(monkeypatch):
+    from engine.model import compute_dtype
+
+    assert compute_dtype("cuda") == torch.bfloat16
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    assert compute_dtype("cpu") == torch.bfloat16
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert compute_dtype(torch.device("cpu")) == torch.float32

@@ -282,3 +282,28 @@ def test_graph_rollout_engine_trains_like_the_eager_one(tiny_dir, tmp_path, monk
     monkeypatch.setenv("QERL_ROLLOUT_ENGINE", "fast")
     with pytest.raises(ValueError, match="QERL_ROLLOUT_ENGINE"):
         native_engine(On("cpu"))
+
+
+def test_cpu_without_fast_bf16_trains_bf16_values_in_fp32(tiny_dir, tmp_path, monkeypatch):
+    """Where the CPU has no bf16 matmul fast path, the job holds the bf16 model's values in fp32
+    (same NVFP4 codes), says so in its start event, and trains its adapter."""
+    from engine.lora import adapter_params
+    from engine.train_loop import _Run
+
+    spec = make_spec(tiny_dir, write_rows(tmp_path / "d.jsonl"))
+    fast = _Run(spec, tmp_path / "fast", NullReporter(), lambda: False)
+    fast._setup()  # the same job where bf16 is fast: its untrained model
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    events = NullReporter()
+    run = _Run(spec, tmp_path / "slow", events, lambda: False)
+    result = run.run(None)
+    assert result.steps == spec.steps and not result.stopped
+    assert fast.model.dtype == torch.bfloat16 and run.model.dtype == torch.float32
+    trained = run.model.state_dict()
+    for k, v in fast.model.state_dict().items():
+        if "lora_" in k:
+            continue
+        assert torch.equal(v.float(), trained[k]) if v.dtype == torch.bfloat16 else torch.equal(v, trained[k]), k
+    assert any(not torch.equal(a, b) for a, b in zip(adapter_params(fast.model), adapter_params(run.model)))
+    message, data = next((m, d) for _, m, d in events.events if m.startswith("Training"))
+    assert data["compute_dtype"] == "float32" and "computed in fp32" in message

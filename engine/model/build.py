@@ -74,24 +74,31 @@ class DictSource:
 
 
 def make_frozen(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, *, dtype: torch.dtype,
-                global_scale: torch.Tensor | None = None) -> FrozenLinear:
+                global_scale: torch.Tensor | None = None, source_dtype: torch.dtype | None = None) -> FrozenLinear:
     """A frozen projection in ``fmt`` via engine.quant.quantize_linear. The weight is cast to
-    the model dtype first (bf16: the codes equal compressed-tensors' export); an unquantized
-    base in another dtype than bf16 (fp32 reference runs) keeps that dtype."""
-    weight = weight.to(dtype)
-    bias = None if bias is None else bias.to(dtype)
+    ``source_dtype`` (default: the model dtype) and quantized from there (bf16: the codes equal
+    compressed-tensors' export); an unquantized base in another model dtype than bf16 holds that
+    dtype (fp32 reference runs, or bf16 values held in fp32 where source_dtype is bf16)."""
+    weight = weight.to(source_dtype or dtype)
+    bias = None if bias is None else bias.to(source_dtype or dtype).to(dtype)
     if fmt == "bf16" and dtype != torch.bfloat16:
-        return BF16Linear(weight, bias, dtype=dtype)
+        return BF16Linear(weight.to(dtype), bias, dtype=dtype)
     return quantize_linear(weight, bias, fmt, global_scale=global_scale)
 
 
 def build_model(cfg: ModelConfig, src: TensorSource, *, quantization: str, device: torch.device | str,
-                dtype: torch.dtype, name_or_path: str = "", hub_id: str | None = None) -> CausalLM:
+                dtype: torch.dtype, name_or_path: str = "", hub_id: str | None = None,
+                source_dtype: torch.dtype | None = None) -> CausalLM:
+    """``dtype``: what the model computes in. ``source_dtype`` (default ``dtype``): every tensor
+    is rounded to it first and projections are quantized from it, so a bf16 source held in fp32
+    has the bf16 model's values and NVFP4 codes."""
+    src_dtype = source_dtype or dtype
+
     def get(name: str) -> torch.Tensor:
         t = src.tensor(name)
         if t is None:
             raise ValueError(f"checkpoint {name_or_path or ''} lacks tensor {name!r} expected for a {cfg.arch} model")
-        return t.to(device=device, dtype=dtype)
+        return t.to(device=device, dtype=src_dtype).to(dtype)
 
     def norm(name: str) -> RMSNorm:
         return RMSNorm(get(name), cfg.rms_norm_eps)
@@ -99,7 +106,7 @@ def build_model(cfg: ModelConfig, src: TensorSource, *, quantization: str, devic
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        lin = _layer_linears(cfg, src, p, quantization, device, dtype)
+        lin = _layer_linears(cfg, src, p, quantization, device, dtype, src_dtype)
         qn = kn = None
         if cfg.qk_norm:
             qn, kn = norm(p + "self_attn.q_norm.weight"), norm(p + "self_attn.k_norm.weight")
@@ -111,13 +118,14 @@ def build_model(cfg: ModelConfig, src: TensorSource, *, quantization: str, devic
     return CausalLM(cfg, decoder, head, name_or_path=name_or_path, hub_id=hub_id)
 
 
-def _layer_linears(cfg: ModelConfig, src: TensorSource, prefix: str, fmt: str, device, dtype) -> dict[str, FrozenLinear]:
+def _layer_linears(cfg: ModelConfig, src: TensorSource, prefix: str, fmt: str, device, dtype,
+                   src_dtype) -> dict[str, FrozenLinear]:
     out: dict[str, FrozenLinear] = {}
     for group in SHARED_SCALE_GROUPS:
         names = {n: prefix + ("self_attn." if n in ATTN else "mlp.") + n for n in group}
         ready = {n: src.linear(m) for n, m in names.items()}
         if all(v is not None for v in ready.values()):
-            out.update({n: _convert(v, fmt, device, dtype) for n, v in ready.items()})
+            out.update({n: _convert(v, fmt, device, dtype, src_dtype) for n, v in ready.items()})
             continue
         dense = {}
         for n, m in names.items():
@@ -127,16 +135,16 @@ def _layer_linears(cfg: ModelConfig, src: TensorSource, prefix: str, fmt: str, d
             has_bias = cfg.mlp_bias if n in MLPS else (cfg.o_bias if n == "o_proj" else cfg.attention_bias)
             b = src.tensor(m + ".bias") if has_bias else None
             dense[n] = (w.to(device), None if b is None else b.to(device))
-        gs = global_scale_for([w.to(dtype) for w, _ in dense.values()]) if fmt == "nvfp4" else None
+        gs = global_scale_for([w.to(src_dtype) for w, _ in dense.values()]) if fmt == "nvfp4" else None
         for n, (w, b) in dense.items():
-            out[n] = make_frozen(w, b, fmt, dtype=dtype, global_scale=gs)
+            out[n] = make_frozen(w, b, fmt, dtype=dtype, global_scale=gs, source_dtype=src_dtype)
     return out
 
 
-def _convert(layer: FrozenLinear, fmt: str, device, dtype) -> FrozenLinear:
+def _convert(layer: FrozenLinear, fmt: str, device, dtype, src_dtype) -> FrozenLinear:
     """A pre-quantized projection kept as is, or re-expressed in another format."""
     layer = layer.to(device)
     if layer.fmt == fmt:
         return layer
     w = layer.dequantize(torch.float32)
-    return make_frozen(w, layer.bias, fmt, dtype=dtype)
+    return make_frozen(w, layer.bias, fmt, dtype=dtype, source_dtype=src_dtype)

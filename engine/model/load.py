@@ -42,11 +42,26 @@ def resolve_model_dir(name: str) -> Path:
     return _hub_download(src)
 
 
+def compute_dtype(device: str | torch.device) -> torch.dtype:
+    """What a job computes in on ``device``: bf16, except on a CPU where bf16 matmuls have no fast
+    path (no AVX-512: oneDNN then emulates them, measured 5-37x slower than fp32); there the model
+    holds its bf16 values in fp32 (load_model's ``source_dtype``)."""
+    if torch.device(device).type != "cpu":
+        return torch.bfloat16
+    try:
+        fast = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch without the probe: assume the fast path
+        fast = True
+    return torch.bfloat16 if fast else torch.float32
+
+
 def load_model(name_or_path: str, *, quantization: str = "nvfp4", lora: LoraSpec | None = None,
-               device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.bfloat16) -> tuple[CausalLM, PreTrainedTokenizerBase]:
+               device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
+               source_dtype: torch.dtype | None = None) -> tuple[CausalLM, PreTrainedTokenizerBase]:
     """(CausalLM, tokenizer). Decoder projections in ``quantization``; embeddings, lm_head and
-    norms in ``dtype``. With ``lora``, a fresh adapter is attached (engine.lora.apply_lora)."""
+    norms in ``dtype``. With ``source_dtype`` (e.g. bf16 under an fp32 ``dtype``) every tensor is
+    rounded to it first and quantized from it. With ``lora``, a fresh adapter is attached
+    (engine.lora.apply_lora)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
     model_dir = resolve_model_dir(name_or_path)
@@ -65,7 +80,7 @@ def load_model(name_or_path: str, *, quantization: str = "nvfp4", lora: LoraSpec
     hub_id = _hub_id(name_or_path)
     with torch.no_grad():
         model = build_model(cfg, src, quantization=quantization, device=device, dtype=dtype,
-                            name_or_path=str(name_or_path), hub_id=hub_id)
+                            name_or_path=str(name_or_path), hub_id=hub_id, source_dtype=source_dtype)
     tokenizer = load_tokenizer(model_dir)
     model.model_dir = model_dir
     model.eos_token_ids = eos_token_ids(tokenizer, model_dir)

