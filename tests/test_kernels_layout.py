@@ -133,3 +133,22 @@ def test_kernel_files_build_and_export_their_entry_points(tmp_path, monkeypatch)
         assert lib is not None, f"{source.name} did not build"
         assert getattr(lib, errors[0])(0) == b"no error"  # the signatures were applied
         assert sorted(tmp_path.glob(f"kernels/{source.stem}_*.so"))
+
+
+def test_small_kernel_splits_long_k_layers_twice_at_3_to_8_rows(monkeypatch):
+    """The launch rule on an H200's 132 SMs: the down projections (>= 48 groups of 256 inputs)
+    take twice the K splits at 3-8 rows; shorter layers and other row counts keep the block target."""
+    from types import SimpleNamespace
+
+    from engine.kernels import nvfp4_gemm as gemm
+
+    monkeypatch.setattr(gemm, "sm_count", lambda device: 132)
+    down7 = SimpleNamespace(ntiles=3584 // 16, kg=18944 // 256)  # 28 column blocks, 74 groups
+    up7 = SimpleNamespace(ntiles=37888 // 16, kg=3584 // 256)
+    cpu = torch.device("cpu")
+    assert gemm.small_config(8, down7, cpu) == (1, 1, 19, 4)  # 11 splits by the 320-block target, doubled
+    assert gemm.small_config(4, down7, cpu)[2] == 19
+    assert gemm.small_config(1, down7, cpu) == (1, 1, 25, 3)  # one row: the 800-block target alone
+    assert gemm.small_config(16, down7, cpu)[2] == 11
+    assert gemm.small_config(8, up7, cpu) == (1, 1, 1, 14)  # 14 groups: not a long-K layer
+    assert gemm.small_config(8, down7, cpu, splits=5)[2] == 5  # an explicit split count is kept
