@@ -38,8 +38,9 @@ _TARGET_BLOCKS = ((2, 800), (8, 320), (16, 300), (32, 200), (64, 120), (128, 120
 _WIDE = 1.4
 # Layers of at least this many 256-input groups (the down projections: K = 13824-27648) take twice
 # the K splits at 3-8 rows. Measured in the decode step at batch 8 (nvfp4, r=16, alternating
-# runs): 7B 3.86, 3.86 -> 3.78, 3.77 ms; 32B 11.81, 11.81 -> 11.46, 11.44 ms. Per call the shorter
-# layers lost with twice the splits (7B qkv, o, gate_up), so the rule stops at them.
+# runs): 7B 3.86, 3.86 -> 3.78, 3.77 ms; 32B 11.81, 11.81 -> 11.46, 11.44 ms. Per call (timed with
+# a shared-memory activation variant, benchmarks/RESULTS.md) the 7B qkv, o and gate_up layers lost
+# with twice the splits at 8 rows, so the rule stops at the long ones.
 _LONG_K_GROUPS = 48
 _VARIANTS = {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (16, 1)}
 # L2 prefetch distance of the fused kernel in records of 256 inputs (0: off); measured to help
