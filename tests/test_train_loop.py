@@ -291,6 +291,7 @@ def test_cpu_without_fast_bf16_trains_bf16_values_in_fp32(tiny_dir, tmp_path, mo
     from engine.train_loop import _Run
 
     spec = make_spec(tiny_dir, write_rows(tmp_path / "d.jsonl"))
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)  # whatever this CPU has
     fast = _Run(spec, tmp_path / "fast", NullReporter(), lambda: False)
     fast._setup()  # the same job where bf16 is fast: its untrained model
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
