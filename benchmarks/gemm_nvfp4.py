@@ -9,6 +9,7 @@ byte ceiling. Each timing is a CUDA graph of calls that rotate through >300 MB o
     python benchmarks/gemm_nvfp4.py                  # the table
     python benchmarks/gemm_nvfp4.py --sweep          # small-kernel configurations and crossovers
     python benchmarks/gemm_nvfp4.py --sweep-wg       # wgmma-kernel configurations and crossovers
+    python benchmarks/gemm_nvfp4.py --sweep-slices --ms 1,8   # small kernel: warps per tile x splits
 """
 from __future__ import annotations
 
@@ -89,11 +90,21 @@ class Layer:
     def time_ours(self, x: torch.Tensor) -> float:
         return time_calls([lambda p=p: gemm.nvfp4_matmul(x, p) for p in self.fp4])
 
-    def time_small(self, x: torch.Tensor, tnw: int, splits: int, prefetch: int | None = None) -> float:
+    def time_small(self, x: torch.Tensor, tnw: int | None, splits: int | None, prefetch: int | None = None,
+                   wpt: int | None = None, serial: bool = False) -> float:
         m = x.shape[0]
         outs = torch.empty(m, self.n, dtype=torch.bfloat16, device="cuda")
-        return time_calls([lambda p=p: gemm.gemm_small_into(x, p, outs, tnw=tnw, splits=splits, prefetch=prefetch)
-                           for p in self.fp4])
+        cfg = gemm.small_config(m, self.fp4[0], x.device, tnw, splits, wpt)
+        ws = torch.empty(cfg.splits * m * self.fp4[0].ntiles * 16, device="cuda") if cfg.splits > 1 else None
+        calls = [lambda p=p: gemm.gemm_small_into(x, p, outs, tnw=tnw, splits=splits, prefetch=prefetch, wpt=wpt,
+                                                  workspace=ws) for p in self.fp4]
+        if serial:
+            # as in the decode step: each call's input is written by a kernel that waits for the
+            # previous call to finish, so no call's tail overlaps the next call's start
+            x0 = x.clone()
+            calls = [f for c in calls for f in (c, lambda: x.copy_(x0))]
+            return time_calls(calls) * 2 - time_calls([lambda: x.copy_(x0)] * len(self.fp4))
+        return time_calls(calls)
 
     def time_wg(self, x: torch.Tensor, bn: int | None = None, wg: int | None = None, splits: int | None = None,
                 prefetch: int | None = None) -> float:
@@ -120,8 +131,8 @@ def path(m: int, layer: Layer) -> str:
     if route == "wg":
         bn, wg, splits, _ = gemm.wg_config(m, layer.fp4[0], torch.device("cuda"))
         return f"wgmma n{bn} g{wg} s{splits}"
-    mt, tnw, splits, _ = gemm.small_config(m, layer.fp4[0], torch.device("cuda"))
-    return f"fused mt{mt} w{tnw} s{splits}"
+    cfg = gemm.small_config(m, layer.fp4[0], torch.device("cuda"))
+    return f"fused mt{cfg.mt} w{cfg.tnw} s{cfg.splits}" + (f" p{cfg.wpt}" if cfg.wpt > 1 else "")
 
 
 def shapes(models):
@@ -165,7 +176,7 @@ def sweep(models, ms, out_json):
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             tb, tl = layer.time_bf16(x), layer.time_large(x)
-            _, tnw0, s0, _ = gemm.small_config(m, p, x.device)
+            _, tnw0, s0, _, _ = gemm.small_config(m, p, x.device)
             pf = {f: layer.time_small(x, tnw0, s0, f) for f in (0, 2, 4)}
             res = {}
             for tnw in {1, 2, tnw0}:
@@ -227,6 +238,50 @@ def sweep_wg(models, ms, out_json):
         Path(out_json).write_text(json.dumps(rows, indent=1))
 
 
+def sweep_slices(models, ms, out_json, serial: bool = False):
+    """Per shape and M (small kernel only): the automatic configuration, then every count of warps
+    per weight tile (1, 2, 4, 8) and weight tiles per warp (1, 2) with K splits giving about a half,
+    one, 1.5 and two waves of resident blocks (4 per SM). ``serial``: each call waits for a small
+    kernel that waits for the call before (the decode step's order), copy time taken off."""
+    rows = []
+    dev = torch.device("cuda")
+    wave = 4 * torch.cuda.get_device_properties(0).multi_processor_count
+    for model, name, n, k in shapes(models):
+        layer = Layer(n, k)
+        p = layer.fp4[0]
+        for m in ms:
+            if m > gemm.SMALL_PATH_MAX:
+                continue
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            tb = layer.time_bf16(x)
+            auto = gemm.small_config(m, p, dev)
+            t_auto = layer.time_small(x, None, None, serial=serial)
+            res = {}
+            for wpt in (1, 2, 4, 8):
+                for tnw in (1, 2):
+                    if wpt > 1 and gemm._m_tiles(m) > 2 or (gemm._m_tiles(m), tnw) not in gemm._VARIANTS:
+                        continue
+                    blocks_x = -(-p.ntiles // (8 // wpt * tnw))
+                    for waves in (0.5, 1, 1.5, 2):
+                        want = max(1, min(p.kg // wpt, round(waves * wave / blocks_x)))
+                        cfg = gemm.small_config(m, p, dev, tnw, want, wpt)
+                        key = (cfg.wpt, cfg.tnw, cfg.splits)
+                        if key not in res:
+                            res[key] = layer.time_small(x, tnw, cfg.splits, wpt=wpt, serial=serial)
+            best = min(res.items(), key=lambda kv: kv[1])
+            cells = " ".join(f"p{a}w{b}s{c}:{v:.1f}" for (a, b, c), v in sorted(res.items()))
+            print(f"{model:>4} {name:>7} M={m:<3} bf16 {tb:6.1f} auto p{auto.wpt}w{auto.tnw}s{auto.splits} {t_auto:6.1f} "
+                  f"best p{best[0][0]}w{best[0][1]}s{best[0][2]} {best[1]:6.1f} (x{tb / t_auto:4.2f} -> x{tb / best[1]:4.2f}) "
+                  f"| {cells}", flush=True)
+            rows.append(dict(model=model, layer=name, n=n, k=k, m=m, bf16_us=tb, auto=list(auto), auto_us=t_auto,
+                             configs={f"p{a}w{b}s{c}": v for (a, b, c), v in res.items()}))
+        del layer
+        torch.cuda.empty_cache()
+    if out_json:
+        Path(out_json).write_text(json.dumps(rows, indent=1))
+    return rows
+
+
 def profile(spec: str) -> None:
     """A few plain launches of one configuration (n,k,m[,tnw,splits]) for a profiler to catch."""
     n, k, m, *cfg = (int(v) for v in spec.split(","))
@@ -258,6 +313,8 @@ def main() -> None:
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-wg", action="store_true")
+    ap.add_argument("--sweep-slices", action="store_true")
+    ap.add_argument("--serial", action="store_true", help="--sweep-slices: each call after a dependent copy")
     ap.add_argument("--json", default="")
     ap.add_argument("--profile", default="", help="n,k,m[,tnw,splits]: launch one configuration a few times")
     args = ap.parse_args()
@@ -272,6 +329,8 @@ def main() -> None:
         sweep(models, ms, args.json)
     elif args.sweep_wg:
         sweep_wg(models, ms, args.json)
+    elif args.sweep_slices:
+        sweep_slices(models, ms, args.json, args.serial)
     else:
         summary(table(models, ms, args.json))
 

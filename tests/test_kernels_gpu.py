@@ -143,6 +143,25 @@ def test_every_kernel_variant(tnw, splits):
         assert int(p.counters.abs().sum()) == 0, "split-K tickets must be reset"
 
 
+@pytest.mark.parametrize("wpt", [2, 4, 8])
+@pytest.mark.parametrize("tnw", [1, 2, 4])
+def test_in_block_k_slices(wpt, tnw):
+    """Warps sharing a weight tile's K range inside a block (summed in shared memory), alone and
+    with split K across blocks: within bf16 rounding of the exact product, and the same bits
+    whatever the split (fixed summation order given the slices)."""
+    p, wref, gscale = make_layer(1000, 4080, seed=12)  # 16 groups, the last one partial
+    for m in (1, 5, 16):
+        x = torch.randn(m, p.k, device="cuda").bfloat16()
+        ref = reference(x, wref, gscale)
+        for splits in (1, 2, 1000):
+            out, ws = poisoned(m, p)
+            gemm.gemm_small_into(x, p, out, tnw=tnw, splits=splits, wpt=wpt, workspace=ws)
+            check(out, ref, f"M={m} tnw={tnw} wpt={wpt} splits={splits}")
+            assert int(p.counters.abs().sum()) == 0, "split-K tickets must be reset"
+            again = gemm.gemm_small_into(x, p, torch.empty_like(out), tnw=tnw, splits=splits, wpt=wpt, workspace=ws)
+            assert torch.equal(again, out)
+
+
 @pytest.mark.parametrize("n,k", [(1000, 1008), (136, 2000)])  # the second leaves a warpgroup idle
 @pytest.mark.parametrize("bn,wg", sorted(gemm._WG_VARIANTS))
 def test_every_wgmma_variant(n, k, bn, wg):

@@ -135,20 +135,31 @@ def test_kernel_files_build_and_export_their_entry_points(tmp_path, monkeypatch)
         assert sorted(tmp_path.glob(f"kernels/{source.stem}_*.so"))
 
 
-def test_small_kernel_splits_long_k_layers_twice_at_3_to_8_rows(monkeypatch):
-    """The launch rule on an H200's 132 SMs: the down projections (>= 48 groups of 256 inputs)
-    take twice the K splits at 3-8 rows; shorter layers and other row counts keep the block target."""
+def test_small_kernel_launch_rule_by_layer_kind(monkeypatch):
+    """The launch rule on an H200's 132 SMs, as (8-row tiles, tiles per warp, K splits, groups per
+    slice, warps per tile): narrow layers spread each tile's K over the eight warps of a block
+    (down below 3 rows: four warps, two tiles, K split to about four blocks per SM), gate_up four
+    warps per tile at 3-8 rows and two tiles per warp below; above 16 rows (8 for gate_up) the
+    block target alone; explicit arguments are kept."""
     from types import SimpleNamespace
 
     from engine.kernels import nvfp4_gemm as gemm
 
     monkeypatch.setattr(gemm, "sm_count", lambda device: 132)
-    down7 = SimpleNamespace(ntiles=3584 // 16, kg=18944 // 256)  # 28 column blocks, 74 groups
-    up7 = SimpleNamespace(ntiles=37888 // 16, kg=3584 // 256)
+    qkv7 = SimpleNamespace(ntiles=4608 // 16, kg=3584 // 256)
+    down7 = SimpleNamespace(ntiles=3584 // 16, kg=18944 // 256)  # 74 groups: long K
+    up7 = SimpleNamespace(ntiles=37888 // 16, kg=3584 // 256)  # 2368 tiles: wide
     cpu = torch.device("cpu")
-    assert gemm.small_config(8, down7, cpu) == (1, 1, 19, 4)  # 11 splits by the 320-block target, doubled
-    assert gemm.small_config(4, down7, cpu)[2] == 19
-    assert gemm.small_config(1, down7, cpu) == (1, 1, 25, 3)  # one row: the 800-block target alone
-    assert gemm.small_config(16, down7, cpu)[2] == 11
-    assert gemm.small_config(8, up7, cpu) == (1, 1, 1, 14)  # 14 groups: not a long-K layer
-    assert gemm.small_config(8, down7, cpu, splits=5)[2] == 5  # an explicit split count is kept
+    for m in (1, 2, 8):
+        assert gemm.small_config(m, qkv7, cpu) == (1, 1, 1, 2, 8)  # 14 groups over 7 of 8 warps
+    assert gemm.small_config(16, qkv7, cpu) == (2, 1, 1, 2, 8)
+    assert gemm.small_config(1, down7, cpu) == (1, 2, 7, 3, 4)  # 56 column blocks: 9 splits asked, 25 slices
+    assert gemm.small_config(3, down7, cpu) == (1, 1, 1, 10, 8)
+    assert gemm.small_config(1, up7, cpu) == (1, 2, 5, 3, 1)  # 148 column blocks, 800-block target
+    assert gemm.small_config(8, up7, cpu) == (1, 1, 1, 4, 4)
+    assert gemm.small_config(16, up7, cpu) == (2, 1, 1, 14, 1)
+    assert gemm.small_config(17, down7, cpu) == (4, 1, 7, 11, 1)  # 200-block target, whole tiles
+    assert gemm.small_config(8, down7, cpu, splits=5) == (1, 1, 5, 15, 1)  # explicit: no slices
+    assert gemm.small_config(8, down7, cpu, splits=2, wpt=4) == (1, 1, 2, 10, 4)
+    with pytest.raises(ValueError, match="warps per weight tile"):
+        gemm.small_config(17, down7, cpu, wpt=2)

@@ -19,10 +19,11 @@
 // so the 16-row tile is the weight's and M only sets how many n=8 MMAs reuse one dequantized
 // fragment. Each warp streams its own records with a ring of 16-byte loads in flight (plus an
 // optional L2 prefetch further ahead); blocks of 8 warps share their K range, so activations are
-// reused through L1 (M <= 16) or a cp.async shared-memory double buffer (M > 16). When the N tiles alone
-// cannot fill the GPU, K is split across blocks: partial sums go to an fp32 workspace and the
-// last block of a column (an atomic ticket) adds them in a fixed order, so results are
-// deterministic.
+// reused through L1 (M <= 16) or a cp.async shared-memory double buffer (M > 16). At M <= 16 the
+// warps of a block may instead split each of its tiles' K range (wpt warps per tile), adding
+// their sums through shared memory in slice order. When that still leaves too few warps, K is
+// also split across blocks: partial sums go to an fp32 workspace and the last block of a column
+// (an atomic ticket) adds them in a fixed order, so results are deterministic.
 //
 // Medium M (gemm_wg_kernel, below): the same weight stream and dequantization feed Hopper's
 // warpgroup MMA (wgmma, register A operand) with the activations in a 4-stage shared-memory ring,
@@ -224,16 +225,19 @@ __global__ void __launch_bounds__(kWarps * 32, MT * TNW == 1 ? 4 : (MT * TNW <= 
     gemm_small_kernel(const int4* __restrict__ wq, const uint16_t* __restrict__ x,
                       uint16_t* __restrict__ y, float* __restrict__ ws, int* __restrict__ counters,
                       const float* __restrict__ alpha_p, int M, int N, int K, int ldx, int ldy,
-                      int ntiles, int kg, int splits, int gps, int pf, const Epilogue ep) {
+                      int ntiles, int kg, int splits, int gps, int pf, int wpt, const Epilogue ep) {
   constexpr int NACC = (MT * TNW == 1 && !SMEM) ? 2 : 1;  // two MMA chains when there is one
   constexpr int kGroup = 144;                              // int4s per record: 4 x 512 B + 256 B
   constexpr int kStage = MT * 8 * kXRowBytes;              // bytes of one shared-memory stage
   constexpr int kPieces = SMEM ? MT * 8 * 8 / (kWarps * 32) : 1;  // 16-byte copies per thread
   extern __shared__ __align__(16) char xsmem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int nt0 = (blockIdx.x * kWarps + warp) * TNW;
+  // wpt warps per tile slot split its K range inside the block (slice ks of wpt); the block's
+  // kWarps / wpt slots hold consecutive weight tiles, and blockIdx.y splits K across blocks.
+  const int tpb = kWarps / wpt, ks = warp % wpt;
+  const int nt0 = (blockIdx.x * tpb + warp / wpt) * TNW;
   const int split = blockIdx.y;
-  const int g0 = split * gps;
+  const int g0 = (split * wpt + ks) * gps;
   const int g1 = min(kg, g0 + gps);
   const int npad = ntiles * 16;
   const bool active = nt0 < ntiles;
@@ -397,10 +401,37 @@ __global__ void __launch_bounds__(kWarps * 32, MT * TNW == 1 ? 4 : (MT * TNW <= 
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[0][tn][mt][i] += acc[NACC - 1][tn][mt][i];
   }
+  // In-block K slices (register path only): slices 1..wpt-1 leave their sums in shared memory,
+  // slice 0 adds them in slice order (fixed, so the bits do not depend on timing).
+  if (!SMEM && wpt > 1) {
+    constexpr int kVals = TNW * MT * 4;
+    float* red = reinterpret_cast<float*>(xsmem);
+    if (ks != 0) {
+#pragma unroll
+      for (int tn = 0; tn < TNW; ++tn)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) red[(warp * kVals + (tn * MT + mt) * 4 + i) * 32 + lane] = acc[0][tn][mt][i];
+    }
+    __syncthreads();
+    if (ks == 0) {
+      for (int j = 1; j < wpt; ++j) {
+#pragma unroll
+        for (int tn = 0; tn < TNW; ++tn)
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+              acc[0][tn][mt][i] += red[((warp + j) * kVals + (tn * MT + mt) * 4 + i) * 32 + lane];
+      }
+    }
+  }
+  const bool owner = active && ks == 0;  // this warp writes its tiles' sums
 
   const float alpha = __ldg(alpha_p);
   if (splits == 1) {
-    if (!active) return;
+    if (!owner) return;
 #pragma unroll
     for (int tn = 0; tn < TNW; ++tn)
 #pragma unroll
@@ -416,7 +447,7 @@ __global__ void __launch_bounds__(kWarps * 32, MT * TNW == 1 ? 4 : (MT * TNW <= 
   }
 
   // Split K: write this block's partial sums, then the last block of the column adds them.
-  if (active) {
+  if (owner) {
     float* part = ws + (size_t)split * M * npad;
 #pragma unroll
     for (int tn = 0; tn < TNW; ++tn)
@@ -437,7 +468,7 @@ __global__ void __launch_bounds__(kWarps * 32, MT * TNW == 1 ? 4 : (MT * TNW <= 
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  constexpr int kWidth = kWarps * TNW * 16;
+  const int kWidth = tpb * TNW * 16;
   const int nb = blockIdx.x * kWidth;
   for (int i = threadIdx.x; i < M * kWidth; i += kWarps * 32) {
     const int tk = i / kWidth, nn = nb + i % kWidth;
@@ -935,21 +966,26 @@ extern "C" {
   Epilogue { (const uint16_t*)bias, (const float*)ls, (const float*)lb, lr, lds, ldb, n1, n2 }
 
 // Returns a cudaError_t (0 = launched). mt: 8-row activation tiles (1, 2, 4, 8, 16);
-// tnw: 16-row weight tiles per warp (1, 2, 4); splits/gps: K split, groups (256 inputs) per split;
+// tnw: 16-row weight tiles per warp (1, 2, 4); wpt: warps per weight tile slot, splitting its K
+// range inside the block (1, 2, 4, 8; above 1 only for mt <= 2); splits: K split across blocks;
+// gps: groups (256 inputs) per K slice (splits * wpt slices);
 // pf: L2 prefetch distance in groups (0: none). Epilogue (bias, LoRA shrink s (M, lds), B^T
 // (lr, ldb), member edges n1, n2): null pointers for none.
-int qerl_nvfp4_gemm_small(int mt, int tnw, const void* wq, const void* x, void* y, void* ws,
+int qerl_nvfp4_gemm_small(int mt, int tnw, int wpt, const void* wq, const void* x, void* y, void* ws,
                           void* counters, const void* alpha, int M, int N, int K, int ldx, int ldy,
                           int ntiles, int kg, int splits, int gps, int pf, QERL_EPILOGUE_ARGS,
                           void* stream) {
   const Epilogue ep = QERL_EPILOGUE;
   const Variant v = pick(mt, tnw, bias != nullptr || ls != nullptr);
-  if (v.fn == nullptr) return (int)cudaErrorInvalidValue;
-  dim3 grid((ntiles + kWarps * tnw - 1) / (kWarps * tnw), splits);
+  if (v.fn == nullptr || (wpt != 1 && wpt != 2 && wpt != 4 && wpt != 8) || (wpt > 1 && mt > 2))
+    return (int)cudaErrorInvalidValue;
+  const int per_block = kWarps / wpt * tnw;  // weight tiles per block
+  const int smem = wpt > 1 ? kWarps * tnw * mt * 4 * 32 * (int)sizeof(float) : v.smem;
+  dim3 grid((ntiles + per_block - 1) / per_block, splits);
   const void* epp = &ep;
   void* args[] = {&wq, &x, &y, &ws, &counters, &alpha, &M, &N, &K,
-                  &ldx, &ldy, &ntiles, &kg, &splits, &gps, &pf, const_cast<void*>(epp)};
-  return (int)launch(v.fn, grid, dim3(kWarps * 32), v.smem, stream, args);
+                  &ldx, &ldy, &ntiles, &kg, &splits, &gps, &pf, &wpt, const_cast<void*>(epp)};
+  return (int)launch(v.fn, grid, dim3(kWarps * 32), smem, stream, args);
 }
 
 // Medium M: the wgmma kernel. bn: activation rows per block (16, 32, 64, 96, 128; 192 and 256

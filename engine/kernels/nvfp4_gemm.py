@@ -3,7 +3,8 @@
 Three paths on Hopper, picked per call from the number of activation rows M (``kernel_path``,
 crossovers measured on H200):
 - "small" (decode, M up to SMALL_PATH_MAX): mma.sync with the weights dequantized in registers as
-  the MMA's A operand (see nvfp4_gemm.cu), K split and tiles per warp from measured block counts.
+  the MMA's A operand (see nvfp4_gemm.cu); a tile's K range split over warps of a block and over
+  blocks, and tiles per warp, by a rule measured per layer kind (small_config).
 - "wg" (M up to 32-128, the larger the layer the further): the same dequantization feeding
   warpgroup MMAs (wgmma) whose B operand, the activations, streams through a shared-memory ring;
   K split when the grid is small.
@@ -22,6 +23,7 @@ import math
 import os
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 
@@ -29,19 +31,25 @@ from engine.kernels import _build
 from engine.kernels import nvfp4_layout as layout
 
 SMALL_M_MAX = 128
-# Launch shape, measured on H200 (132 SMs; benchmarks/gemm_nvfp4.py --sweep): the blocks to aim
-# for by activation rows (K is split until the grid has about this many; split partial sums cost
-# more as M grows), two weight tiles per warp when one would already give _WIDE times that, and
-# at 2 rows. One row takes one tile per warp: per call the two were within a few percent, and in
-# the decode step (7B, batch 1, measured side by side) one tile gave 2.79 ms per step against 2.84.
+# Launch shape of the small-M kernel (small_config), measured on H200 (132 SMs) per call
+# (benchmarks/gemm_nvfp4.py --sweep, --sweep-slices --serial) and in the decode step (7B and 32B,
+# benchmarks/RESULTS.md). Up to 16 rows, by layer kind (N in 16-row tiles, K in 256-input groups):
+# - narrow layers (at most _NARROW_TILES tiles: q/k/v, o, down): each tile's K range over all
+#   eight warps of one block, summed in shared memory, no split across blocks (SmallConfig.wpt);
+#   but long-K ones (the down projections, >= _LONG_K_GROUPS groups) below _SLICE_MIN_M rows take
+#   four warps per tile, two tiles per warp, and K split across blocks to about _RESIDENT blocks
+#   per SM;
+# - wide layers (gate_up): four warps per tile from _SLICE_MIN_M to 8 rows, no split; below that
+#   two tiles per warp with the block target below.
+# Otherwise every warp takes whole tiles and K is split across blocks until the grid has about the
+# target number of blocks by rows (split partial sums cost more as M grows), with two weight tiles
+# per warp at 2 rows or when one would already give _WIDE times the target.
 _TARGET_BLOCKS = ((2, 800), (8, 320), (16, 300), (32, 200), (64, 120), (128, 120))
 _WIDE = 1.4
-# Layers of at least this many 256-input groups (the down projections: K = 13824-27648) take twice
-# the K splits at 3-8 rows. Measured in the decode step at batch 8 (nvfp4, r=16, alternating
-# runs): 7B 3.86, 3.86 -> 3.78, 3.77 ms; 32B 11.81, 11.81 -> 11.46, 11.44 ms. Per call (timed with
-# a shared-memory activation variant, benchmarks/RESULTS.md) the 7B qkv, o and gate_up layers lost
-# with twice the splits at 8 rows, so the rule stops at the long ones.
+_NARROW_TILES = 1024
 _LONG_K_GROUPS = 48
+_SLICE_MIN_M = 3
+_RESIDENT = 4
 _VARIANTS = {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (16, 1)}
 # L2 prefetch distance of the fused kernel in records of 256 inputs (0: off); measured to help
 # from M = 3 on and to cost 5-8% at M <= 2, where the kernel already keeps enough loads in flight.
@@ -92,9 +100,9 @@ def prepare_tensors(
 
 
 def split_counters(ntiles: int, device: torch.device) -> torch.Tensor:
-    """Zeroed split-K tickets for an operand of ``ntiles`` 16-row tiles (one per 64 rows, the
-    smallest column block of any kernel)."""
-    return torch.zeros(-(-ntiles // 4), dtype=torch.int32, device=device)
+    """Zeroed split-K tickets for an operand of ``ntiles`` 16-row tiles (one per tile, the
+    smallest column block of any kernel: the small kernel with eight warps per tile)."""
+    return torch.zeros(ntiles, dtype=torch.int32, device=device)
 
 
 def _workspace(splits: int, m: int, p: PreparedNVFP4, like: torch.Tensor,
@@ -185,23 +193,55 @@ def use_fused(m: int, n: int, k: int) -> bool:
     return kernel_path(m, n, k) != "cublas"
 
 
+class SmallConfig(NamedTuple):
+    """Launch shape of the small-M kernel: 8-row activation tiles, weight tiles per warp, K splits
+    across blocks, groups of 256 inputs per K slice, warps per weight tile slot (each slot's K
+    range split over that many warps of the block, summed in shared memory)."""
+
+    mt: int
+    tnw: int
+    splits: int
+    gps: int
+    wpt: int = 1
+
+
 def small_config(m: int, p: PreparedNVFP4, device: torch.device, tnw: int | None = None,
-                 splits: int | None = None) -> tuple[int, int, int, int]:
-    """(8-row activation tiles, weight tiles per warp, K splits, groups per split) for M rows."""
+                 splits: int | None = None, wpt: int | None = None) -> SmallConfig:
+    """The small-M kernel's launch shape for M rows (``SmallConfig``); tnw, splits and wpt given
+    are kept (splits as launched: rounded to whole groups per slice)."""
     mt = _m_tiles(m)
     target = next(b for rows, b in _TARGET_BLOCKS if m <= rows) * sm_count(device) / 132
+    if tnw is None and splits is None and wpt is None:
+        tnw, splits, wpt = _rule(m, p, sm_count(device)) or (None, None, 1)
+    wpt = 1 if wpt is None else wpt
+    if wpt not in (1, 2, 4, 8) or (wpt > 1 and mt > 2):
+        raise ValueError(f"warps per weight tile must be 1, 2, 4 or 8 (above 1 only up to 16 rows), got {wpt}")
     if tnw is None:
-        wide = m == 2 or -(-p.ntiles // 8) > _WIDE * target
+        wide = wpt == 1 and (m == 2 or -(-p.ntiles // 8) > _WIDE * target)
         tnw = 2 if wide and (mt, 2) in _VARIANTS else 1
     if (mt, tnw) not in _VARIANTS:
         raise ValueError(f"no fused kernel for {mt * 8} rows with {tnw} weight tiles per warp")
     if splits is None:
-        blocks_x = -(-p.ntiles // (8 * tnw))
-        splits = max(1, min(p.kg, round(target / blocks_x)))
-        if 3 <= m <= 8 and p.kg >= _LONG_K_GROUPS:
-            splits = min(p.kg, 2 * splits)
-    gps = -(-p.kg // max(1, splits))
-    return mt, tnw, -(-p.kg // gps), gps
+        blocks_x = -(-p.ntiles // (8 // wpt * tnw))
+        splits = max(1, min(p.kg // wpt, round(target / blocks_x)))
+    gps = -(-p.kg // max(1, splits * wpt))
+    slices = -(-p.kg // gps)
+    return SmallConfig(mt, tnw, -(-slices // wpt), gps, wpt)
+
+
+def _rule(m: int, p: PreparedNVFP4, sms: int) -> tuple[int, int | None, int] | None:
+    """(weight tiles per warp, K splits or None for the block target, warps per tile) by layer
+    kind up to 16 rows (see the top of the module); None: the block-target rule alone."""
+    if m > 16:
+        return None
+    narrow, long_k = p.ntiles <= _NARROW_TILES, p.kg >= _LONG_K_GROUPS
+    if narrow and (m >= _SLICE_MIN_M or not long_k):
+        return 1, 1, 8
+    if narrow:
+        return 2, max(1, round(_RESIDENT * sms / -(-p.ntiles // 4))), 4
+    if m < _SLICE_MIN_M:
+        return 2, None, 1
+    return (1, 1, 4) if m <= 8 else None
 
 
 @lru_cache(maxsize=None)
@@ -259,12 +299,19 @@ def _epilogue_args(m: int, p: PreparedNVFP4, bias: torch.Tensor | None, lora) ->
             min(lora.n2, 2**31 - 1))
 
 
+def _check_counters(p: PreparedNVFP4, splits: int, blocks_x: int) -> None:
+    """Split K takes one ticket per column block."""
+    if splits > 1 and p.counters.numel() < blocks_x:
+        raise ValueError(f"split K over {blocks_x} column blocks needs as many counters, the layer has "
+                         f"{p.counters.numel()}: make it with prepare_tensors")
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
 def gemm_small_into(x2: torch.Tensor, p: PreparedNVFP4, out: torch.Tensor, *, tnw: int | None = None,
-                    splits: int | None = None, workspace: torch.Tensor | None = None,
+                    splits: int | None = None, wpt: int | None = None, workspace: torch.Tensor | None = None,
                     prefetch: int | None = None, bias: torch.Tensor | None = None,
                     lora=None) -> torch.Tensor:  # noqa: ANN001 - any object with s, b, r, n1, n2 (LoraTerm)
     """Fused kernel into ``out`` [M, N] (bf16, row stride N) for x2 [M, K] bf16, M <= SMALL_M_MAX.
@@ -277,12 +324,13 @@ def gemm_small_into(x2: torch.Tensor, p: PreparedNVFP4, out: torch.Tensor, *, tn
         raise ValueError(f"the fused kernel takes 1..{SMALL_M_MAX} rows, got {m}")
     if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
         x2 = x2.contiguous()
-    mt, tnw, splits, gps = small_config(m, p, x2.device, tnw, splits)
+    mt, tnw, splits, gps, wpt = small_config(m, p, x2.device, tnw, splits, wpt)
+    _check_counters(p, splits, -(-p.ntiles // (8 // wpt * tnw)))
     ws = _workspace(splits, m, p, x2, workspace)
     ws_ptr = 0 if ws is None else ws.data_ptr()
     lib = _build.library()
     err = lib.qerl_nvfp4_gemm_small(
-        mt, tnw, p.wq.data_ptr(), x2.data_ptr(), out.data_ptr(), ws_ptr, p.counters.data_ptr(),
+        mt, tnw, wpt, p.wq.data_ptr(), x2.data_ptr(), out.data_ptr(), ws_ptr, p.counters.data_ptr(),
         p.alpha.data_ptr(), m, p.n, p.k, x2.stride(0), out.stride(0), p.ntiles, p.kg, splits, gps,
         _prefetch(m) if prefetch is None else prefetch, *_epilogue_args(m, p, bias, lora), _stream(x2.device),
     )
@@ -300,11 +348,7 @@ def gemm_wg_into(x2: torch.Tensor, p: PreparedNVFP4, out: torch.Tensor, *, bn: i
     if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
         x2 = x2.contiguous()
     bn, wg, splits, gps = wg_config(m, p, x2.device, bn, wg, splits)
-    if splits > 1:
-        blocks_x = -(-p.ntiles // (4 * wg))
-        if p.counters.numel() < blocks_x:
-            raise ValueError(f"split K with {wg} warpgroups per block needs {blocks_x} counters, the layer has "
-                             f"{p.counters.numel()}: make it with prepare_tensors")
+    _check_counters(p, splits, -(-p.ntiles // (4 * wg)))
     ws = _workspace(splits, m, p, x2, workspace)
     ws_ptr = 0 if ws is None else ws.data_ptr()
     lib = _build.library()
