@@ -81,6 +81,16 @@ def poisoned(m: int, p) -> tuple[torch.Tensor, torch.Tensor]:
     return out, ws
 
 
+def checked_launch(p, x: torch.Tensor, ref: torch.Tensor, what: str, launch) -> torch.Tensor:
+    """launch(out, workspace) into a NaN-poisoned output and workspace, checked against ref; the
+    split-K tickets must be back at zero."""
+    out, ws = poisoned(x.shape[0], p)
+    launch(out, ws)
+    check(out, ref, what)
+    assert int(p.counters.abs().sum()) == 0, "split-K tickets must be reset"
+    return out
+
+
 def run_forward(p, x: torch.Tensor, route: str | None = None) -> torch.Tensor:
     """One path's forward (the op's own by default) with NaN-poisoned outputs, workspace, weights."""
     m = x.shape[0]
@@ -136,11 +146,8 @@ def test_every_kernel_variant(tnw, splits):
                              (8, 1), (8, 2), (16, 1)}:
             continue
         x = torch.randn(m, p.k, device="cuda").bfloat16()
-        out = torch.full((m, p.n), float("nan"), dtype=torch.bfloat16, device="cuda")
-        ws = torch.full((p.kg * m * p.ntiles * 16,), float("nan"), device="cuda")
-        gemm.gemm_small_into(x, p, out, tnw=tnw, splits=splits, workspace=ws)
-        check(out, reference(x, wref, gscale), f"M={m} tnw={tnw} splits={splits}")
-        assert int(p.counters.abs().sum()) == 0, "split-K tickets must be reset"
+        checked_launch(p, x, reference(x, wref, gscale), f"M={m} tnw={tnw} splits={splits}",
+                       lambda out, ws: gemm.gemm_small_into(x, p, out, tnw=tnw, splits=splits, workspace=ws))
 
 
 @pytest.mark.parametrize("wpt", [2, 4, 8])
@@ -154,12 +161,11 @@ def test_in_block_k_slices(wpt, tnw):
         x = torch.randn(m, p.k, device="cuda").bfloat16()
         ref = reference(x, wref, gscale)
         for splits in (1, 2, 1000):
-            out, ws = poisoned(m, p)
-            gemm.gemm_small_into(x, p, out, tnw=tnw, splits=splits, wpt=wpt, workspace=ws)
-            check(out, ref, f"M={m} tnw={tnw} wpt={wpt} splits={splits}")
-            assert int(p.counters.abs().sum()) == 0, "split-K tickets must be reset"
-            again = gemm.gemm_small_into(x, p, torch.empty_like(out), tnw=tnw, splits=splits, wpt=wpt, workspace=ws)
-            assert torch.equal(again, out)
+            def launch(out, ws):
+                return gemm.gemm_small_into(x, p, out, tnw=tnw, splits=splits, wpt=wpt, workspace=ws)
+
+            out = checked_launch(p, x, ref, f"M={m} tnw={tnw} wpt={wpt} splits={splits}", launch)
+            assert torch.equal(launch(*poisoned(m, p)), out)
 
 
 @pytest.mark.parametrize("n,k", [(1000, 1008), (136, 2000)])  # the second leaves a warpgroup idle
@@ -170,10 +176,8 @@ def test_every_wgmma_variant(n, k, bn, wg):
         x = torch.randn(m, p.k, device="cuda").bfloat16()
         ref = reference(x, wref, gscale)
         for splits in (1, 3, 1000):
-            out, ws = poisoned(m, p)
-            gemm.gemm_wg_into(x, p, out, bn=bn, wg=wg, splits=splits, workspace=ws)
-            check(out, ref, f"{n}x{k} M={m} bn={bn} wg={wg} splits={splits}")
-            assert int(p.counters.abs().sum()) == 0, "split-K tickets must be reset"
+            checked_launch(p, x, ref, f"{n}x{k} M={m} bn={bn} wg={wg} splits={splits}",
+                           lambda out, ws: gemm.gemm_wg_into(x, p, out, bn=bn, wg=wg, splits=splits, workspace=ws))
 
 
 @pytest.mark.parametrize("m", [16, 64])
