@@ -245,7 +245,7 @@ def sweep_slices(models, ms, out_json, serial: bool = False):
     kernel that waits for the call before (the decode step's order), copy time taken off."""
     rows = []
     dev = torch.device("cuda")
-    wave = 4 * torch.cuda.get_device_properties(0).multi_processor_count
+    wave = gemm._RESIDENT * torch.cuda.get_device_properties(0).multi_processor_count
     for model, name, n, k in shapes(models):
         layer = Layer(n, k)
         p = layer.fp4[0]
@@ -261,7 +261,7 @@ def sweep_slices(models, ms, out_json, serial: bool = False):
                 for tnw in (1, 2):
                     if wpt > 1 and gemm._m_tiles(m) > 2 or (gemm._m_tiles(m), tnw) not in gemm._VARIANTS:
                         continue
-                    blocks_x = -(-p.ntiles // (8 // wpt * tnw))
+                    blocks_x = gemm.small_column_blocks(p, tnw, wpt)
                     for waves in (0.5, 1, 1.5, 2):
                         want = max(1, min(p.kg // wpt, round(waves * wave / blocks_x)))
                         cfg = gemm.small_config(m, p, dev, tnw, want, wpt)

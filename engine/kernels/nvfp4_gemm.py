@@ -222,11 +222,15 @@ def small_config(m: int, p: PreparedNVFP4, device: torch.device, tnw: int | None
     if (mt, tnw) not in _VARIANTS:
         raise ValueError(f"no fused kernel for {mt * 8} rows with {tnw} weight tiles per warp")
     if splits is None:
-        blocks_x = -(-p.ntiles // (8 // wpt * tnw))
-        splits = max(1, min(p.kg // wpt, round(target / blocks_x)))
+        splits = max(1, min(p.kg // wpt, round(target / small_column_blocks(p, tnw, wpt))))
     gps = -(-p.kg // max(1, splits * wpt))
     slices = -(-p.kg // gps)
     return SmallConfig(mt, tnw, -(-slices // wpt), gps, wpt)
+
+
+def small_column_blocks(p: PreparedNVFP4, tnw: int, wpt: int) -> int:
+    """Blocks along N of the small-M kernel: each holds 8 / wpt slots of tnw weight tiles."""
+    return -(-p.ntiles // (8 // wpt * tnw))
 
 
 def _rule(m: int, p: PreparedNVFP4, sms: int) -> tuple[int, int | None, int] | None:
@@ -238,7 +242,7 @@ def _rule(m: int, p: PreparedNVFP4, sms: int) -> tuple[int, int | None, int] | N
     if narrow and (m >= _SLICE_MIN_M or not long_k):
         return 1, 1, 8
     if narrow:
-        return 2, max(1, round(_RESIDENT * sms / -(-p.ntiles // 4))), 4
+        return 2, max(1, round(_RESIDENT * sms / small_column_blocks(p, 2, 4))), 4
     if m < _SLICE_MIN_M:
         return 2, None, 1
     return (1, 1, 4) if m <= 8 else None
@@ -325,7 +329,7 @@ def gemm_small_into(x2: torch.Tensor, p: PreparedNVFP4, out: torch.Tensor, *, tn
     if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
         x2 = x2.contiguous()
     mt, tnw, splits, gps, wpt = small_config(m, p, x2.device, tnw, splits, wpt)
-    _check_counters(p, splits, -(-p.ntiles // (8 // wpt * tnw)))
+    _check_counters(p, splits, small_column_blocks(p, tnw, wpt))
     ws = _workspace(splits, m, p, x2, workspace)
     ws_ptr = 0 if ws is None else ws.data_ptr()
     lib = _build.library()
