@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="512,1280,2048")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
-    kernel = KernelAttention(_library(), max_batch=64, kv_heads=8, device=torch.device("cuda"))
+    kernel = KernelAttention(_library())
     sdpa = SdpaAttention()
     rows = []
     print(f"{'shape':>8} {'B':>3} {'s':>5} {'splits':>6} {'sdpa us':>8} {'kernel us':>9} {'ratio':>6}")

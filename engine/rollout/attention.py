@@ -1,14 +1,16 @@
 """Decode attention of the graph engine: one query token per row over the static KV cache.
 
-``KernelAttention`` runs decode_attention.cu (split over key tiles so that a batch-1 step
-fills the GPU, fp32 online softmax, deterministic combine); ``SdpaAttention`` is torch's
+``KernelAttention`` runs decode_attention.cu (keys split over the blocks of a thread block
+cluster so that a batch-1 step spreads over the GPU, tensor-core products, fp32 online softmax,
+deterministic combine through distributed shared memory); ``SdpaAttention`` is torch's
 scaled_dot_product_attention with an additive mask built once per step. Both take the step's
 queries (B, heads, D), one layer's caches (B_max, kv heads, S_max, D), the valid-column mask
 (B_max, S_max) and the attention length s, and return (B, heads * D). ``pick_attention`` gives
 the kernel on sm_90 with bf16, head size 64 or 128 and at most 8 query heads per kv head, while
 rows x kv heads <= KERNEL_GROUPS (QERL_DECODE_ATTENTION=sdpa: never; =kernel: every batch), SDPA
-otherwise. The kernel wins where a step has few (row, kv head) pairs: SDPA then runs a handful of
-blocks that walk the keys one tile after another, the kernel splits the keys over the GPU.
+otherwise. The kernel splits the keys over several blocks where a step has few (row, kv head)
+pairs (SDPA then runs a handful of blocks that walk the keys one tile after another) and its
+products run on the tensor cores, so it is ahead of SDPA at every batch measured.
 """
 from __future__ import annotations
 
@@ -24,19 +26,22 @@ import torch.nn.functional as F
 from engine.rollout.fused_ops import FLAGS
 
 SOURCE = Path(__file__).with_name("decode_attention.cu")
-KEYS = 64  # keys per tile (kKeys in the kernel)
+KEYS = 16  # keys per warp step (kChunk in the kernel); a split covers a multiple of it
 MAX_REP = 8
-KERNEL_GROUPS = 16  # the kernel while rows x kv heads <= this: it measured faster there, SDPA above
-TARGET_BLOCKS = 1056  # eight blocks per SM of an H100 / H200: enough loads in flight
-MAX_SPLITS = 64  # kMaxSplits in the kernel
+# The kernel while rows x kv heads <= this (measured faster than SDPA at every batch up to 64 rows
+# of 4 and 8 kv heads, benchmarks/decode_attention.py), SDPA above.
+KERNEL_GROUPS = 512
+SPLIT_BLOCKS = 256  # blocks a launch aims at: splits = SPLIT_BLOCKS // (rows x kv heads), 1..MAX_SPLITS
+MAX_SPLITS = 8  # blocks of a cluster (kMaxSplits in the kernel: the portable cluster size)
 
 
 def splits_for(rows: int, kv_heads: int, s: int) -> tuple[int, int]:
-    """(splits, tiles per split): enough blocks to fill the GPU, at most MAX_SPLITS, none empty."""
-    tiles = -(-s // KEYS)
-    want = min(tiles, MAX_SPLITS, max(1, -(-TARGET_BLOCKS // (rows * kv_heads))))
-    per = -(-tiles // want)
-    return -(-tiles // per), per
+    """(splits, keys per split), none empty, at most MAX_SPLITS: about SPLIT_BLOCKS blocks in all
+    (three of the kernel's blocks fit an SM; more splits than that measured slower)."""
+    chunks, groups = -(-s // KEYS), rows * kv_heads
+    want = min(max(1, SPLIT_BLOCKS // groups), chunks, MAX_SPLITS)
+    per = -(-chunks // want)
+    return -(-chunks // per), per * KEYS
 
 
 def attention_mask(valid: torch.Tensor, b: int, n_rep: int, s: int, dtype: torch.dtype) -> torch.Tensor:
@@ -65,33 +70,38 @@ class SdpaAttention:
         """Build the step's mask (shared by every layer)."""
         self._mask = attention_mask(valid, b, n_rep, s, dtype)
 
-    def __call__(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, valid: torch.Tensor, s: int) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, valid: torch.Tensor, s: int,
+                 slot: torch.Tensor | None = None) -> torch.Tensor:
         return decode_attention(q, kc, vc, self._mask)
 
 
 class KernelAttention:
     name = "kernel"
 
-    def __init__(self, lib: ctypes.CDLL, max_batch: int, kv_heads: int, device: torch.device) -> None:
+    def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
-        self.counters = torch.zeros(max_batch * kv_heads, dtype=torch.int32, device=device)
 
     def begin_step(self, valid: torch.Tensor, b: int, n_rep: int, s: int, dtype: torch.dtype) -> None:
         pass
 
-    def __call__(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, valid: torch.Tensor, s: int) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, valid: torch.Tensor, s: int,
+                 slot: torch.Tensor | None = None) -> torch.Tensor:
+        """``slot``: the int64 cache column (one element, on the device) that the kernel queued just
+        before this call writes, if that is the only cache column it writes; the kernel then reads
+        the rest of the cache before that kernel ends (PDL). None: everything after it."""
         b, heads, d = q.shape
         kvh = kc.shape[1]
         n_rep = heads // kvh
         if kc.stride(3) != 1 or kc.stride(2) != d or kc.stride() != vc.stride() or valid.stride(1) != 1:
             raise ValueError("decode attention needs caches laid out (rows, kv heads, columns, dim), dim innermost")
+        if slot is not None and (slot.dtype != torch.int64 or slot.device != q.device):
+            raise ValueError("decode attention's slot must be an int64 tensor on the queries' device")
         q = q.contiguous()
         splits, per = splits_for(b, kvh, s)
         out = torch.empty(b, heads * d, dtype=q.dtype, device=q.device)
-        ws = torch.empty(splits * b * heads * (d + 2) if splits > 1 else 1, dtype=torch.float32, device=q.device)
         err = self.lib.qerl_decode_attention(
             q.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.stride(0), kc.stride(1), valid.data_ptr(), valid.stride(0),
-            out.data_ptr(), ws.data_ptr(), self.counters.data_ptr(), b, kvh, n_rep, d, s, splits, per,
+            out.data_ptr(), None if slot is None else slot.data_ptr(), b, kvh, n_rep, d, s, splits, per,
             ctypes.c_float(math.log2(math.e) / math.sqrt(d)), torch.cuda.current_stream(q.device).cuda_stream)
         if err != 0:
             raise RuntimeError(f"decode attention failed: CUDA error {err} "
@@ -101,7 +111,7 @@ class KernelAttention:
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
 _SIGNATURES = {
-    "qerl_decode_attention": [_P, _P, _P, _L, _L, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P],
+    "qerl_decode_attention": [_P, _P, _P, _L, _L, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P],
     "qerl_decode_attention_error_string": [_I],
 }
 
@@ -133,8 +143,9 @@ class DecodeAttention:
         self._use = self.kernel if self.kernel is not None and b <= self.kernel_rows else self.sdpa
         self._use.begin_step(valid, b, n_rep, s, dtype)
 
-    def __call__(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, valid: torch.Tensor, s: int) -> torch.Tensor:
-        return self._use(q, kc, vc, valid, s)
+    def __call__(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, valid: torch.Tensor, s: int,
+                 slot: torch.Tensor | None = None) -> torch.Tensor:
+        return self._use(q, kc, vc, valid, s, slot)
 
 
 def pick_attention(device: torch.device, dtype: torch.dtype, *, heads: int, kv_heads: int, head_dim: int,
@@ -145,5 +156,5 @@ def pick_attention(device: torch.device, dtype: torch.dtype, *, heads: int, kv_h
     if choice != "sdpa" and kernel_supported(device, dtype, heads=heads, kv_heads=kv_heads, head_dim=head_dim):
         lib = _library()
         if lib is not None:
-            kernel = KernelAttention(lib, max_batch, kv_heads, device)
+            kernel = KernelAttention(lib)
     return DecodeAttention(kernel, kv_heads, max_batch * kv_heads if choice == "kernel" else KERNEL_GROUPS)

@@ -314,7 +314,7 @@ class GraphRollout:
             q = ops.qkv_rope_cache(*self._project(L.qkv, h, L.qkv.term(s_qkv), QKV_EPILOGUE_ROWS), cos, sin,
                                    self.kc[i], self.vc[i], self.slot, heads=heads, kv_heads=kvh, d=d,
                                    q_norm=L.q_norm, k_norm=L.k_norm)
-            o = self.attention(q, self.kc[i], self.vc[i], self.valid, s)  # (B, heads * D)
+            o = self.attention(q, self.kc[i], self.vc[i], self.valid, s, self.slot)  # (B, heads * D)
             x, h, s_gu = ops.add_rmsnorm_shrink(x, *self._project(L.o, o, L.o.lora_term(ops, o)), L.w_post, eps,
                                                 L.gu.a)
             a, s_down = ops.silu_mul_shrink(*self._project(L.gu, h, L.gu.term(s_gu), GU_EPILOGUE_ROWS), L.down.a)

@@ -1,22 +1,37 @@
 // Decode attention over the static KV cache of engine/rollout/cuda_graph.py: one new query token
 // per row, grouped-query heads (the n_rep query heads of a kv head share its keys and values),
-// bf16 inputs and output, fp32 arithmetic. Plain C entry point (no torch headers), launched on
-// the caller's stream.
+// bf16 inputs and output, bf16 tensor-core products with fp32 accumulation and fp32 softmax.
+// Plain C entry point (no torch headers), launched on the caller's stream.
 //
-// Grid (splits, kv heads, rows), 128 threads. A block owns the n_rep query heads of one kv head
-// and a range of key tiles (64 keys each) of the columns [0, s) of the cache. Per tile it starts
-// an asynchronous copy of the value tile into shared memory, and meanwhile two threads per key
-// compute the n_rep scores (key halves in registers, queries from shared memory); then a running
-// max / sum per head (online softmax, base 2) and the output accumulators (one head dimension
-// per thread, 4 keys per step). Masked columns (valid = false) get no weight. With one split
-// the block writes the output; otherwise it writes its partial (output, max, sum) to a
-// workspace, and the last block of a (row, kv head) to arrive (an atomic ticket, reset by that
-// block) combines the splits in split order, so results do not depend on the order blocks
-// finish in; it loads eight splits' partials at a time before adding them (a chain of one load
-// per split made the combine the longest part of a call: up to 64 round trips to L2).
+// Grid (splits, kv heads, rows), 4 warps a block, the splits of a (row, kv head) one thread
+// block cluster. A block owns the n_rep query heads of one kv head and a range of keys; each of
+// its warps takes chunks of 16 keys and keeps its own online softmax (base 2) over them:
+// - scores: S (heads x 16 keys) = Q K^T as m16n8k16 MMAs, the query heads as A's rows (rows
+//   n_rep.. are zero), the keys as B's columns. The order of the head dimensions inside a product
+//   is free, so lane (g, t) of a warp loads, for k steps 2u and 2u+1, the 16 contiguous bytes at
+//   dimensions 32u + 8t of its query head g and of its keys g and 8 + g: every fragment straight
+//   from memory, no shared memory.
+// - the scores' C layout (lane (g, t): head g, keys 2t, 2t+1, 8+2t, 9+2t of the chunk) is the B
+//   layout of P^T in O^T = V^T P^T with the chunk's keys as its k dimension, so the probabilities
+//   (rounded to bf16, as flash attention does) stay in registers, and the heads are the MMA's
+//   n = 8 columns (none wasted). V^T is A (16 dims x 16 keys per MMA); lane (g, t) loads its keys'
+//   rows at dimensions [g D/8, (g+1) D/8) and pairs the two keys of a register with a byte
+//   permute, so rows g and g+8 of m-tile m are dimensions g D/8 + m and g D/8 + D/16 + m, and a
+//   lane ends with heads 2t, 2t+1 at dimensions [g D/8, (g+1) D/8).
+// - the warps' (max, sum, output) are merged through shared memory in warp order, then the
+//   blocks of a cluster merge theirs through distributed shared memory: each block reads every
+//   block's maxima and sums, then adds every block's outputs in split order for its own slice
+//   of the (head, dimension) outputs. No workspace, no atomics: the result does not depend on
+//   the order blocks run in.
+// Masked columns (valid = false) and columns past the attention length get no weight (their
+// values are read as zeros).
 //
-// Launched with programmatic dependent launch (../kernels/pdl.cuh): the kernel touches memory
-// only after griddepcontrol.wait and releases its dependents after it.
+// Launched with programmatic dependent launch (../kernels/pdl.cuh): the kernel reads the queries
+// and writes only after griddepcontrol.wait, and releases its dependents after it. Given the cache
+// column that the previous kernel writes (the decode step's write column), each warp reads its
+// first chunk's keys and values before the wait, so that the cache's DRAM latency overlaps the
+// previous kernel, and reads that one column again after it.
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
@@ -25,270 +40,286 @@
 #include "../kernels/pdl.cuh"
 
 typedef __nv_bfloat16 bf16;
+namespace cg = cooperative_groups;
 
 namespace {
 
-constexpr int kKeys = 64;     // keys per tile
-constexpr int kThreads = 128;
-constexpr int kMaxRep = 8;    // query heads per kv head
-constexpr int kMaxSplits = 64;
+constexpr int kChunk = 16;  // keys per warp step
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kMaxRep = 8;  // query heads per kv head
+constexpr int kMaxSplits = 8;  // blocks of a cluster (the portable limit)
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
+__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+template <int D>
+struct Chunk {
+  static constexpr int KU = D / 32;  // 16-byte key pieces per key row (two k steps each)
+  static constexpr int VU = D / 64;  // 16-byte value pieces per key row ([g D/8, (g+1) D/8))
+  uint4 k[2][KU];                    // keys g and 8 + g
+  uint4 v[4][VU];                    // keys 2t, 2t+1, 2t+8, 2t+9
+  bool ok[4];                        // those four keys count
+};
 
 template <int D>
 __global__ void __launch_bounds__(kThreads)
 decode_attention_kernel(const bf16* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,
                         long long cache_row, long long cache_head, const uint8_t* __restrict__ valid, int ld_valid,
-                        bf16* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters, int n_rep, int s,
-                        int tiles_per_split, float scale_log2) {
-  constexpr int TPK = kThreads / kKeys;  // threads per key for the scores
-  constexpr int DH = D / TPK;            // head dimensions per thread for the scores
-  constexpr int KG = kThreads / D;       // key groups for the output accumulation
-  constexpr int QP = DH + 4;             // padded half of a query row (keeps the two halves on other banks)
-  static_assert(TPK == 2 && DH % 8 == 0 && KG >= 1 && kThreads % D == 0, "unsupported head size");
+                        bf16* __restrict__ out, const long long* __restrict__ slot_p, int n_rep, int s,
+                        int keys_per_split, float scale_log2) {
+  using C = Chunk<D>;
+  constexpr int MT = D / 16;  // m-tiles of the output (16 dimensions each)
+  constexpr int KS = D / 16;  // k steps of the scores
+  constexpr int DG = D / 8;   // output dimensions per lane and head: [g DG, (g + 1) DG)
+  constexpr int SEG = DG + 1; // a (head, g) segment in shared memory, padded
+  __shared__ float sm_o[kWarps * kMaxRep * 8 * SEG];
+  __shared__ float sm_m[kWarps][kMaxRep], sm_l[kWarps][kMaxRep];
+  __shared__ float co[kMaxRep * D];                       // this block's merged outputs (unnormalised)
+  __shared__ float cm[kMaxRep], cl[kMaxRep];              // and maxima, sums
+  __shared__ float wts[kMaxSplits][kMaxRep];              // each block's weight in the final output
 
-  __shared__ float qs[kMaxRep][TPK * QP];
-  __shared__ __align__(16) bf16 vs[kKeys][D];
-  __shared__ float ps[kMaxRep][kKeys];
-  __shared__ float m_s[kMaxRep], l_s[kMaxRep], c_s[kMaxRep];
-  __shared__ float red[KG > 1 ? KG : 1][KG > 1 ? kMaxRep : 1][KG > 1 ? D : 1];
-  __shared__ float sm_m[kMaxSplits * kMaxRep], sm_l[kMaxSplits * kMaxRep];
-  __shared__ int last;
-
-  qerl::pdl_wait_then_release();
-
-  const int split = blockIdx.x, g = blockIdx.y, b = blockIdx.z, splits = gridDim.x, kvh = gridDim.y;
-  const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
-  const long long head0 = (long long)b * kvh * n_rep + (long long)g * n_rep;  // first query head of the group
-  for (int c = t; c < n_rep * D / 8; c += kThreads) {  // 16 bytes of queries per thread
-    const uint4 v = *reinterpret_cast<const uint4*>(q + head0 * D + c * 8);
-    const int r = c * 8 / D, d = c * 8 % D;
-    const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&v);
-    float f[8];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float2 x = __bfloat1622float2(h2[e]);
-      f[2 * e] = x.x * scale_log2;
-      f[2 * e + 1] = x.y * scale_log2;
-    }
-    float* dst = &qs[r][(d / DH) * QP + d % DH];
-    reinterpret_cast<float4*>(dst)[0] = make_float4(f[0], f[1], f[2], f[3]);
-    reinterpret_cast<float4*>(dst)[1] = make_float4(f[4], f[5], f[6], f[7]);
-  }
-  if (t < kMaxRep) {
-    m_s[t] = -INFINITY;
-    l_s[t] = 0.f;
-  }
-  const bf16* kb = kc + b * cache_row + g * cache_head;
-  const bf16* vb = vc + b * cache_row + g * cache_head;
+  const int split = blockIdx.x, kvg = blockIdx.y, b = blockIdx.z, splits = gridDim.x, kvh = gridDim.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const long long head0 = (long long)b * kvh * n_rep + (long long)kvg * n_rep;  // first query head of the group
+  const bf16* kb = kc + b * cache_row + kvg * cache_head;
+  const bf16* vb = vc + b * cache_row + kvg * cache_head;
   const uint8_t* vrow = valid + (long long)b * ld_valid;
-  const int key_l = t / TPK, part = t % TPK, dim = t % D, kg = t / D;
-  float o[kMaxRep];
-#pragma unroll
-  for (int r = 0; r < kMaxRep; ++r) o[r] = 0.f;
+  const int k0 = split * keys_per_split, k1 = min(s, k0 + keys_per_split);
 
-  const int k0 = split * tiles_per_split * kKeys;
-  const int k_end = min(s, k0 + tiles_per_split * kKeys);
-  for (int kt = k0; kt < k_end; kt += kKeys) {
-    __syncthreads();  // the queries are in place; the previous tile's values and weights are used
-    for (int c = t; c < kKeys * D / 8; c += kThreads) {  // the value tile, asynchronously (zeros past the end)
-      const int kk = c / (D / 8), off = (c % (D / 8)) * 8;
-      const bool in = kt + kk < k_end;
-      cp_async16(&vs[kk][off], vb + (in ? (long long)(kt + kk) * D + off : 0), in);
+  // key rows: of the scores (g, 8 + g) and of the values (2t, 2t+1, 2t+8, 2t+9), within a chunk
+  auto vkey = [&](int e) { return 2 * t + (e & 1) + 8 * (e >> 1); };
+  auto load_k = [&](C& c, int base, int j) {
+    const int key = base + 8 * j + g;
+#pragma unroll
+    for (int u = 0; u < C::KU; ++u)
+      c.k[j][u] = key < k1 ? *reinterpret_cast<const uint4*>(kb + (long long)key * D + 32 * u + 8 * t)
+                           : make_uint4(0u, 0u, 0u, 0u);
+  };
+  auto load_v = [&](C& c, int base, int e) {
+    const int key = base + vkey(e);
+    c.ok[e] = key < k1 && vrow[key] != 0;
+#pragma unroll
+    for (int u = 0; u < C::VU; ++u)
+      c.v[e][u] = c.ok[e] ? *reinterpret_cast<const uint4*>(vb + (long long)key * D + g * (D / 8) + 8 * u)
+                          : make_uint4(0u, 0u, 0u, 0u);
+  };
+  auto load_chunk = [&](C& c, int base) {
+    load_k(c, base, 0);
+    load_k(c, base, 1);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) load_v(c, base, e);
+  };
+
+  const int first = k0 + kChunk * warp;
+  C ch;
+  const int slot = slot_p != nullptr ? (int)*slot_p : -1;
+  if (slot_p != nullptr && first < k1) load_chunk(ch, first);
+  qerl::pdl_wait_then_release();
+  if (first < k1) {
+    if (slot_p == nullptr) {
+      load_chunk(ch, first);
+    } else if (slot >= first && slot < first + kChunk) {  // the column the previous kernel wrote, again
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+        if (first + 8 * j + g == slot) load_k(ch, first, j);
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (first + vkey(e) == slot) load_v(ch, first, e);
     }
-    asm volatile("cp.async.commit_group;" ::: "memory");
-    const int key = kt + key_l;
-    float acc[kMaxRep];
+  }
+
+  // query head g (zero past n_rep) as the A fragments of the k steps: (a0, a2) of step 2u + h are
+  // words 2h, 2h + 1 of the 16 bytes at dimensions 32u + 8t
+  uint32_t qa[KS][2];
 #pragma unroll
-    for (int r = 0; r < kMaxRep; ++r) acc[r] = 0.f;
-    if (key < k_end) {
-      const uint4* kp = reinterpret_cast<const uint4*>(kb + (long long)key * D + part * DH);
-      uint4 kr[DH / 8];
+  for (int u = 0; u < C::KU; ++u) {
+    const uint4 v = g < n_rep ? *reinterpret_cast<const uint4*>(q + (head0 + g) * D + 32 * u + 8 * t)
+                              : make_uint4(0u, 0u, 0u, 0u);
+    qa[2 * u][0] = v.x;
+    qa[2 * u][1] = v.y;
+    qa[2 * u + 1][0] = v.z;
+    qa[2 * u + 1][1] = v.w;
+  }
+
+  // O^T (dimensions x heads) = V^T P^T: lane (g, t) accumulates heads 2t, 2t+1 at dimensions
+  // g DG + m (c0, c1) and g DG + MT + m (c2, c3) of m-tile m
+  float o[MT][4];
 #pragma unroll
-      for (int j = 0; j < DH / 8; ++j) kr[j] = kp[j];
+  for (int mt = 0; mt < MT; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
+  float m = -INFINITY, l = 0.f;  // head g's running max and this lane's share of the sum
+  for (int base = first; base < k1; base += kChunk * kWarps) {
+    if (base != first) load_chunk(ch, base);
+    float sc[2][4];
 #pragma unroll
-      for (int j = 0; j < DH / 8; ++j) {
-        const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&kr[j]);
-        float kf[8];
+    for (int j = 0; j < 2; ++j) {
+      sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 x = __bfloat1622float2(h2[e]);
-          kf[2 * e] = x.x;
-          kf[2 * e + 1] = x.y;
-        }
-#pragma unroll
-        for (int r = 0; r < kMaxRep; ++r) {
-          if (r < n_rep) {
-            const float4* qp = reinterpret_cast<const float4*>(&qs[r][part * QP + j * 8]);
-            const float4 a = qp[0], b = qp[1];
-            float v = acc[r];
-            v = fmaf(kf[0], a.x, v); v = fmaf(kf[1], a.y, v); v = fmaf(kf[2], a.z, v); v = fmaf(kf[3], a.w, v);
-            v = fmaf(kf[4], b.x, v); v = fmaf(kf[5], b.y, v); v = fmaf(kf[6], b.z, v); v = fmaf(kf[7], b.w, v);
-            acc[r] = v;
-          }
-        }
+      for (int kk = 0; kk < KS; ++kk) {
+        const uint4& kv = ch.k[j][kk >> 1];
+        mma16816(sc[j], qa[kk][0], 0u, qa[kk][1], 0u, word(kv, 2 * (kk & 1)), word(kv, 2 * (kk & 1) + 1));
       }
     }
-    const bool ok = key < k_end && vrow[key] != 0;
+    // lane's scores: keys 2t, 2t+1 (n-tile 0) and 8+2t, 9+2t (n-tile 1) = value keys e = 0..3
+    float x[4];
 #pragma unroll
-    for (int r = 0; r < kMaxRep; ++r) {
-      acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], 1);
-      if (r < n_rep && part == 0) ps[r][key_l] = ok ? acc[r] : -INFINITY;
-    }
-    asm volatile("cp.async.wait_all;" ::: "memory");
-    __syncthreads();
-    for (int r = warp; r < n_rep; r += kThreads / 32) {  // online softmax of head r over this tile
-      const float a = ps[r][lane], c = ps[r][lane + 32];
-      float mx = fmaxf(a, c);
-      for (int w = 16; w > 0; w >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, w));
-      const float m_old = m_s[r], m_new = fmaxf(m_old, mx);
-      const float pa = m_new == -INFINITY ? 0.f : exp2f(a - m_new);
-      const float pc = m_new == -INFINITY ? 0.f : exp2f(c - m_new);
-      ps[r][lane] = pa;
-      ps[r][lane + 32] = pc;
-      float sum = pa + pc;
-      for (int w = 16; w > 0; w >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, w);
-      if (lane == 0) {
-        const float corr = m_old == -INFINITY ? 0.f : exp2f(m_old - m_new);
-        l_s[r] = l_s[r] * corr + sum;
-        m_s[r] = m_new;
-        c_s[r] = corr;
+    for (int e = 0; e < 4; ++e) x[e] = ch.ok[e] ? sc[e >> 1][e & 1] * scale_log2 : -INFINITY;
+    float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m, mx);
+    const float corr = m == -INFINITY ? 0.f : exp2f(m - m_new);
+    float p[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) p[e] = x[e] == -INFINITY ? 0.f : exp2f(x[e] - m_new);
+    l = l * corr + ((p[0] + p[1]) + (p[2] + p[3]));
+    m = m_new;
+    // P^T as B: (keys 2t, 2t+1 | 2t+8, 2t+9) x head g, as the scores left them
+    const uint32_t pb0 = pack_bf16(p[0], p[1]), pb1 = pack_bf16(p[2], p[3]);
+    const float c_lo = __shfl_sync(0xffffffffu, corr, 8 * t), c_hi = __shfl_sync(0xffffffffu, corr, 8 * t + 4);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      o[mt][0] *= c_lo;
+      o[mt][1] *= c_hi;
+      o[mt][2] *= c_lo;
+      o[mt][3] *= c_hi;
+      // V^T as A: rows g, g + 8 = dimensions g DG + mt, g DG + MT + mt; keys paired per register
+      uint32_t a[4];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int n = r * MT + mt, u = n >> 3, w = (n & 7) >> 1;
+        const uint32_t sel = (n & 1) ? 0x7632u : 0x5410u;
+        a[r] = __byte_perm(word(ch.v[0][u], w), word(ch.v[1][u], w), sel);
+        a[r + 2] = __byte_perm(word(ch.v[2][u], w), word(ch.v[3][u], w), sel);
       }
+      mma16816(o[mt], a[0], a[1], a[2], a[3], pb0, pb1);
     }
-    __syncthreads();
+  }
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+
+  // -- merge the warps (in warp order): segment (warp, head, g) holds dimensions [g DG, (g+1) DG)
 #pragma unroll
-    for (int r = 0; r < kMaxRep; ++r) o[r] *= r < n_rep ? c_s[r] : 0.f;
-    for (int kk = kg * (kKeys / KG); kk < (kg + 1) * (kKeys / KG); kk += 4) {  // this thread's keys, 4 at a time
-      float v[4];
+  for (int hh = 0; hh < 2; ++hh) {
+    const int h = 2 * t + hh;
+    if (h < n_rep) {
+      float* seg = sm_o + ((warp * kMaxRep + h) * 8 + g) * SEG;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) v[e] = __bfloat162float(vs[kk + e][dim]);
-#pragma unroll
-      for (int r = 0; r < kMaxRep; ++r) {
-        if (r < n_rep) {
-          const float4 p = *reinterpret_cast<const float4*>(&ps[r][kk]);
-          o[r] = fmaf(p.w, v[3], fmaf(p.z, v[2], fmaf(p.y, v[1], fmaf(p.x, v[0], o[r]))));
-        }
+      for (int mt = 0; mt < MT; ++mt) {
+        seg[mt] = o[mt][hh];
+        seg[MT + mt] = o[mt][2 + hh];
       }
     }
   }
-  if constexpr (KG > 1) {  // add the key groups' accumulators
-#pragma unroll
-    for (int r = 0; r < kMaxRep; ++r) {
-      if (r < n_rep) red[kg][r][dim] = o[r];
+  if (g < n_rep && t == 0) {
+    sm_m[warp][g] = m;
+    sm_l[warp][g] = l;
+  }
+  __syncthreads();
+  if (threadIdx.x < n_rep) {
+    const int h = threadIdx.x;
+    float mb = -INFINITY, lb = 0.f;
+    for (int w = 0; w < kWarps; ++w) mb = fmaxf(mb, sm_m[w][h]);
+    for (int w = 0; w < kWarps; ++w) {
+      const float mw = sm_m[w][h];
+      const float e = mw == -INFINITY ? 0.f : exp2f(mw - mb);
+      sm_m[w][h] = e;  // now the warp's weight
+      lb = fmaf(e, sm_l[w][h], lb);
     }
-    __syncthreads();
-    if (kg == 0) {
+    cm[h] = mb;
+    cl[h] = lb;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < n_rep * D; i += kThreads) {
+    const int h = i / D, d = i % D;
+    const int at = (h * 8 + d / DG) * SEG + d % DG;
+    float acc = 0.f;
 #pragma unroll
-      for (int r = 0; r < kMaxRep; ++r) {
-        if (r < n_rep) {
-          float v = 0.f;
-          for (int j = 0; j < KG; ++j) v += red[j][r][dim];
-          o[r] = v;
-        }
-      }
-    }
+    for (int w = 0; w < kWarps; ++w) acc = fmaf(sm_m[w][h], sm_o[w * kMaxRep * 8 * SEG + at], acc);
+    co[i] = acc;
   }
   if (splits == 1) {
-    if (kg == 0) {
-#pragma unroll
-      for (int r = 0; r < kMaxRep; ++r) {
-        if (r < n_rep) {
-          const float l = l_s[r];
-          out[(head0 + r) * D + dim] = __float2bfloat16_rn(l > 0.f ? o[r] / l : 0.f);
-        }
-      }
+    __syncthreads();
+    for (int i = threadIdx.x; i < n_rep * D; i += kThreads) {
+      const float lb = cl[i / D];
+      out[head0 * D + i] = __float2bfloat16_rn(lb > 0.f ? co[i] / lb : 0.f);
     }
     return;
   }
-  const int rec = D + 2;  // per head: D outputs, max, sum
-  float* wg = ws + ((long long)b * kvh + g) * splits * n_rep * rec;
-  if (kg == 0) {
+
+  // -- merge the blocks of the cluster (split order): every block's max and sum, then this
+  // block's slice of the outputs from every block's shared memory
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  if (threadIdx.x < n_rep) {
+    const int h = threadIdx.x;
+    float mj[kMaxSplits], lj[kMaxSplits];
+    float mx = -INFINITY;
 #pragma unroll
-    for (int r = 0; r < kMaxRep; ++r) {
-      if (r < n_rep) wg[(split * n_rep + r) * rec + dim] = o[r];
+    for (int j = 0; j < kMaxSplits; ++j) {
+      mj[j] = j < splits ? cluster.map_shared_rank(cm, j)[h] : -INFINITY;
+      lj[j] = j < splits ? cluster.map_shared_rank(cl, j)[h] : 0.f;
+      mx = fmaxf(mx, mj[j]);
     }
-  }
-  if (t < n_rep) {
-    wg[(split * n_rep + t) * rec + D] = m_s[t];
-    wg[(split * n_rep + t) * rec + D + 1] = l_s[t];
-  }
-  __threadfence();
-  __syncthreads();
-  if (t == 0) {
-    int* ctr = counters + (long long)b * kvh + g;
-    last = atomicAdd(ctr, 1) == splits - 1;
-    if (last) *ctr = 0;  // every block of this (row, kv head) has counted: ready for the next call
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  for (int i = t; i < splits * n_rep; i += kThreads) {  // every split's max and sum (i = split * n_rep + head)
-    sm_m[i] = __ldcg(wg + i * rec + D);
-    sm_l[i] = __ldcg(wg + i * rec + D + 1);
-  }
-  __syncthreads();
-  if (t < n_rep) {
-    float mx = -INFINITY, den = 0.f;
-    for (int sp = 0; sp < splits; ++sp) mx = fmaxf(mx, sm_m[sp * n_rep + t]);
-    if (mx != -INFINITY) {
-      for (int sp = 0; sp < splits; ++sp) {
-        const float m = sm_m[sp * n_rep + t];
-        if (m != -INFINITY) den = fmaf(exp2f(m - mx), sm_l[sp * n_rep + t], den);
-      }
+    float den = 0.f;
+#pragma unroll
+    for (int j = 0; j < kMaxSplits; ++j) {
+      mj[j] = mj[j] == -INFINITY ? 0.f : exp2f(mj[j] - mx);
+      den = fmaf(mj[j], lj[j], den);
     }
-    m_s[t] = mx;
-    l_s[t] = den > 0.f ? 1.f / den : 0.f;
+    const float inv = den > 0.f ? 1.f / den : 0.f;
+#pragma unroll
+    for (int j = 0; j < kMaxSplits; ++j)
+      if (j < splits) wts[j][h] = mj[j] * inv;
   }
   __syncthreads();
-  for (int i = t; i < splits * n_rep; i += kThreads) {  // each split's weight in the final output
-    const int r = i % n_rep;
-    const float m = sm_m[i];
-    sm_m[i] = m == -INFINITY ? 0.f : exp2f(m - m_s[r]) * l_s[r];
+  const int total = n_rep * D, per = (total + splits - 1) / splits;
+  const int i0 = split * per, i1 = min(total, i0 + per);
+  for (int i = i0 + threadIdx.x; i < i1; i += kThreads) {
+    const int h = i / D;
+    float acc = 0.f;
+    for (int j = 0; j < splits; ++j) acc = fmaf(wts[j][h], cluster.map_shared_rank(co, j)[i], acc);
+    out[head0 * D + i] = __float2bfloat16_rn(acc);
   }
-  __syncthreads();
-  // Thread (kg, dim) adds the splits' outputs of heads kg, kg + KG, ... at dimension dim, in split
-  // order; the partials of kSplitBatch splits for all its heads are loaded before any is used, so
-  // a combine costs ceil(splits / kSplitBatch) round trips to L2 rather than one per split.
-  constexpr int RPT = (kMaxRep + KG - 1) / KG;  // heads per thread
-  constexpr int kSplitBatch = 8;
-  float acc[RPT];
-#pragma unroll
-  for (int j = 0; j < RPT; ++j) acc[j] = 0.f;
-  for (int sp0 = 0; sp0 < splits; sp0 += kSplitBatch) {
-    float v[kSplitBatch][RPT];
-#pragma unroll
-    for (int e = 0; e < kSplitBatch; ++e) {
-#pragma unroll
-      for (int j = 0; j < RPT; ++j) {
-        const int r = kg + j * KG;
-        v[e][j] = sp0 + e < splits && r < n_rep ? __ldcg(wg + ((sp0 + e) * n_rep + r) * rec + dim) : 0.f;
-      }
-    }
-#pragma unroll
-    for (int e = 0; e < kSplitBatch; ++e) {
-#pragma unroll
-      for (int j = 0; j < RPT; ++j) {
-        const int r = kg + j * KG;
-        if (sp0 + e < splits && r < n_rep) acc[j] = fmaf(sm_m[(sp0 + e) * n_rep + r], v[e][j], acc[j]);
-      }
-    }
-  }
-#pragma unroll
-  for (int j = 0; j < RPT; ++j) {
-    const int r = kg + j * KG;
-    if (r < n_rep) out[(head0 + r) * D + dim] = __float2bfloat16_rn(acc[j]);
-  }
+  cluster.sync();  // no block leaves while another reads its shared memory
 }
 
 template <int D>
 cudaError_t launch(dim3 grid, void* stream, const bf16* q, const bf16* kc, const bf16* vc, long long cache_row,
-                   long long cache_head, const uint8_t* valid, int ld_valid, bf16* out, float* ws, int* counters,
-                   int n_rep, int s, int tiles_per_split, float scale_log2) {
-  return qerl::launch_pdl(decode_attention_kernel<D>, grid, dim3(kThreads), 0, stream, q, kc, vc, cache_row,
-                          cache_head, valid, ld_valid, out, ws, counters, n_rep, s, tiles_per_split, scale_log2);
+                   long long cache_head, const uint8_t* valid, int ld_valid, bf16* out, const long long* slot,
+                   int n_rep, int s, int keys_per_split, float scale_log2) {
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = grid.x;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = static_cast<cudaStream_t>(stream);
+  cfg.attrs = attr;
+  cfg.numAttrs = qerl::pdl_enabled() ? 2 : 1;
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, decode_attention_kernel<D>, q, kc, vc, cache_row, cache_head,
+                                             valid, ld_valid, out, slot, n_rep, s, keys_per_split, scale_log2);
+  return err != cudaSuccess ? err : cudaGetLastError();
 }
 
 }  // namespace
@@ -297,27 +328,27 @@ extern "C" {
 
 // q (rows, kv_heads * n_rep, d) contiguous; kc, vc: one layer of the cache, element (row, kv head,
 // column, dim) at row * cache_row + head * cache_head + column * d + dim; valid (rows, ld_valid)
-// bool; out (rows, kv_heads * n_rep * d). ws: splits * rows * kv_heads * n_rep * (d + 2) floats
-// (unused when splits == 1); counters: rows * kv_heads ints, zero (and left zero).
+// bool; out (rows, kv_heads * n_rep * d). Columns [0, s) in splits (<= 8) of keys_per_split (a
+// multiple of 16) each, none empty. slot: null, or the one cache column (an int64 on the device)
+// that the previous kernel of the stream writes, so that every other column may be read before
+// that kernel ends.
 int qerl_decode_attention(const void* q, const void* kc, const void* vc, long long cache_row, long long cache_head,
-                          const void* valid, int ld_valid, void* out, void* ws, void* counters, int rows, int kv_heads,
-                          int n_rep, int d, int s, int splits, int tiles_per_split, float scale_log2, void* stream) {
-  if (n_rep < 1 || n_rep > kMaxRep || s < 1 || splits < 1 || splits > kMaxSplits || tiles_per_split < 1 ||
-      (long long)splits * tiles_per_split * kKeys < s || (long long)(splits - 1) * tiles_per_split * kKeys >= s)
+                          const void* valid, int ld_valid, void* out, const void* slot, int rows, int kv_heads,
+                          int n_rep, int d, int s, int splits, int keys_per_split, float scale_log2, void* stream) {
+  if (n_rep < 1 || n_rep > kMaxRep || s < 1 || splits < 1 || splits > kMaxSplits || keys_per_split < kChunk ||
+      keys_per_split % kChunk || (long long)splits * keys_per_split < s || (long long)(splits - 1) * keys_per_split >= s)
     return (int)cudaErrorInvalidValue;
   const dim3 grid(splits, kv_heads, rows);
-  void* st = stream;
   const bf16 *qq = static_cast<const bf16*>(q), *k = static_cast<const bf16*>(kc), *v = static_cast<const bf16*>(vc);
   const uint8_t* va = static_cast<const uint8_t*>(valid);
   bf16* o = static_cast<bf16*>(out);
-  float* w = static_cast<float*>(ws);
-  int* c = static_cast<int*>(counters);
+  const long long* sl = static_cast<const long long*>(slot);
   if (d == 128)
-    return (int)launch<128>(grid, st, qq, k, v, cache_row, cache_head, va, ld_valid, o, w, c, n_rep, s, tiles_per_split,
-                            scale_log2);
+    return (int)launch<128>(grid, stream, qq, k, v, cache_row, cache_head, va, ld_valid, o, sl, n_rep, s,
+                            keys_per_split, scale_log2);
   if (d == 64)
-    return (int)launch<64>(grid, st, qq, k, v, cache_row, cache_head, va, ld_valid, o, w, c, n_rep, s, tiles_per_split,
-                           scale_log2);
+    return (int)launch<64>(grid, stream, qq, k, v, cache_row, cache_head, va, ld_valid, o, sl, n_rep, s,
+                           keys_per_split, scale_log2);
   return (int)cudaErrorInvalidValue;
 }
 
