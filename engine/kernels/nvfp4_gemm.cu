@@ -39,7 +39,8 @@
 // serialization (unless QERL_PDL=0 at launch time), so their blocks may start while the previous
 // kernel of the stream drains. A kernel reads only weights and scales (constant) before
 // griddepcontrol.wait, which returns once the previous kernel has finished and its writes are
-// visible: the first weight records stream in while the previous epilogue kernel ends.
+// visible: the first weight records stream in while the previous epilogue kernel ends (and the
+// small kernel asks L2 for its epilogue's bias and LoRA B lines, also constant during a step).
 // Activations, outputs, the split-K workspace and tickets are touched only after it, and
 // launch_dependents is signalled only after it too, so when a kernel starts every kernel but its
 // direct predecessor has finished.
@@ -138,11 +139,26 @@ __device__ __forceinline__ uint16_t epilogue(float v, const Epilogue& e, int tk,
     const float* sp = e.s + (size_t)tk * e.ld_s + m * e.r;
     const float* bp = e.b + nn;
     float d = 0.f;
-#pragma unroll 8
-    for (int t = 0; t < e.r; ++t) d = fmaf(sp[t], bp[(size_t)t * e.ld_b], d);
+#pragma unroll 16
+    for (int t = 0; t < e.r; ++t) d = fmaf(sp[t], bp[(size_t)t * e.ld_b], d);  // r = 16: one round of loads
     o = to_bf16(bf16_value(o) + d);
   }
   return o;
+}
+
+// Before the PDL wait (bias and B are constant during a decode step; s is the previous kernel's
+// output): the L2 lines of the bias and of B's rows at the columns of tiles nt0 .. nt0 + tnw - 1,
+// one line per lane, so that the epilogue's loads (in this block, or in the last block of a
+// split-K column) wait on L2 rather than DRAM.
+__device__ __forceinline__ void prefetch_epilogue(const Epilogue& e, int nt0, int tnw, bool who, int lane) {
+  if (!who) return;
+  for (int tn = 0; tn < tnw; ++tn) {
+    const int col = (nt0 + tn) * 16;
+    if (e.s)
+      for (int t = lane; t < e.r; t += 32)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(e.b + (size_t)t * e.ld_b + col));
+    if (e.bias && lane == 31) asm volatile("prefetch.global.L2 [%0];" ::"l"(e.bias + col));
+  }
 }
 
 // sum_{sp < splits} p[sp * stride] in split order (the bits of the plain loop), eight loads in
@@ -274,6 +290,7 @@ __global__ void __launch_bounds__(kWarps * 32, MT * TNW == 1 ? 4 : (MT * TNW <= 
         sc[tn] = sload(tn, 0);
       }
     }
+    if constexpr (EPI) prefetch_epilogue(ep, nt0, TNW, active && ks == 0 && split == 0, lane);
     pdl_wait_then_release();  // activations are the previous kernel's output
     // activations: register path, lane (g, t) reads 32 bytes of row mt*8+g per chunk
     const uint16_t* xptr[MT];

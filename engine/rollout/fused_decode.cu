@@ -38,8 +38,8 @@ __device__ __forceinline__ float proj(const bf16* y, const bf16* bias, const Lor
     const float* sp = L.s + row * L.ld_s + m * L.r;
     const float* bp = L.b + col;  // column col of B^T: consecutive threads read consecutive words
     float d = 0.f;
-#pragma unroll 8
-    for (int t = 0; t < L.r; ++t) d = fmaf(sp[t], bp[(long long)t * L.ld_b], d);
+#pragma unroll 16
+    for (int t = 0; t < L.r; ++t) d = fmaf(sp[t], bp[(long long)t * L.ld_b], d);  // r = 16: one round of loads
     v = rb(v + d);
   }
   return v;
