@@ -14,9 +14,11 @@ kernels read them, LoRA, lm_head, KV) to give the bandwidth limit.
         --bandwidth --json out.json
     python3 benchmarks/rollout.py --sizes 7b --methods hf --batches 1,8 --ranks 0 --gen 256
 
-``--profile`` prints, for batch 1 and 8, the GPU time per kernel of a few replayed decode steps
-(torch.profiler), grouped by kind (GEMM, LoRA, attention, element-wise, sampling), and the wall
-time, GPU time, top kernels and top host ops of one prefill.
+``--profile`` prints, for batch 1 and 8, where a few replayed decode steps spend their time
+(torch.profiler's kernel trace; each kernel's end minus the latest end before it, which with
+programmatic dependent launch is its share of the step), grouped by kind (GEMM, LoRA, attention,
+element-wise, sampling) and per position in a layer, and the wall time, GPU time, top kernels and
+top host ops of one prefill.
 """
 from __future__ import annotations
 
@@ -110,37 +112,69 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
+def _trace_kernels(prof) -> list[tuple[str, float, float]]:
+    """(name, start us, end us) of every kernel of a profile, by start time (its chrome trace)."""
+    import os
+    import tempfile
+
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    finally:
+        os.unlink(path)
+    ks = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    return [(e["name"], float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in ks]
+
+
+def critical_path(kernels: list[tuple[str, float, float]]) -> list[tuple[str, float]]:
+    """Each kernel's share of the stream's time: its end minus the latest end before it (0 when
+    it ends inside an earlier one). With programmatic dependent launch a kernel starts while its
+    predecessor drains, so its own duration also counts the wait; these shares add up to the span."""
+    out, last = [], kernels[0][1] if kernels else 0.0
+    for name, _, end in kernels:
+        out.append((name, max(0.0, end - last)))
+        last = max(last, end)
+    return out
+
+
 def profile_steps(eng: GraphRollout, tok, prompts, args, steps: int = 16) -> dict:
-    """GPU time per decode step by kernel kind (graph replays included): a rollout of
-    ``steps`` + 1 tokens minus one of 1 token (the prefill), over ``steps``."""
+    """Where a replayed decode step's time goes: each kernel's share of the critical path
+    (``critical_path``) over ``steps`` steps (a rollout of ``steps`` + 1 tokens minus the kernels of
+    one of 1 token, the prefill), by kind, and per position in a layer (from one attention
+    kernel to the next, averaged over layers and steps)."""
     from torch.profiler import ProfilerActivity, profile
 
-    def kernels(n: int) -> dict[str, tuple[float, int]]:
+    def shares(n: int) -> list[tuple[str, float]]:
         params = SamplingParams(max_new_tokens=n, temperature=1.0, eos_token_ids=[-1])
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             eng.generate(tok, prompts, params, generator=torch.Generator("cuda").manual_seed(9))
             torch.cuda.synchronize()
-        out = {}
-        for ev in prof.key_averages():
-            us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
-            if us > 0 and not ev.key.startswith(("cudaGraph", "Memcpy", "Memset")):
-                out[ev.key] = (us, ev.count)
-        return out
+        return critical_path(_trace_kernels(prof))
 
-    prefill, total = kernels(1), kernels(steps + 1)
-    per = {k: ((us - prefill.get(k, (0.0, 0))[0]) / steps, (n - prefill.get(k, (0.0, 0))[1]) / steps)
-           for k, (us, n) in total.items()}
+    first, total = shares(1), shares(steps + 1)
+    decode = total[len(first):]  # the prefill and first sample run the same kernels in both
     kinds: dict[str, float] = {}
-    for k, (us, _) in per.items():
-        kinds[kernel_kind(k)] = kinds.get(kernel_kind(k), 0.0) + us / 1e3
+    for name, us in decode:
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + us / 1e3 / steps
     by_kind = {k: v for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])}  # ms per decode step
-    top = [{"us_per_step": us, "calls_per_step": n, "kernel": k[:90], "kind": kernel_kind(k)}
-           for k, (us, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[:16]]
-    print(f"profile B={len(prompts)} ms/decode step by kind:", {k: round(v, 3) for k, v in by_kind.items()},
-          f"sum {sum(by_kind.values()):.3f}", flush=True)
-    for t in top:
-        print(f"   {t['us_per_step']:8.1f} us {t['calls_per_step']:6.1f} calls  {t['kind']:<18} {t['kernel']}", flush=True)
-    return {"ms_per_step_by_kind": by_kind, "top": top}
+    print(f"profile B={len(prompts)} critical path, ms/decode step by kind:",
+          {k: round(v, 3) for k, v in by_kind.items()}, f"sum {sum(by_kind.values()):.3f}", flush=True)
+    anchors = [i for i, (name, _) in enumerate(decode) if kernel_kind(name) == "attention"]
+    per: dict[tuple[int, str], list[float]] = {}
+    for i, j in zip(anchors, anchors[1:]):
+        if j - i <= 40:  # within a step (the last layer's tail and the sampling break the pattern)
+            for pos in range(i, j):
+                per.setdefault((pos - i, decode[pos][0]), []).append(decode[pos][1])
+    layer = [{"pos": pos, "us": sum(v) / len(v), "count": len(v), "kernel": name[:90], "kind": kernel_kind(name)}
+             for (pos, name), v in sorted(per.items()) if len(v) >= len(anchors) // 3]
+    print(f"   per layer (us on the critical path, from the attention kernel): {sum(x['us'] for x in layer):.1f}",
+          flush=True)
+    for x in layer:
+        print(f"   {x['pos']:3d} {x['us']:7.2f} us  {x['kind']:<18} {x['kernel']}", flush=True)
+    return {"ms_per_step_by_kind": by_kind, "layer": layer}
 
 
 def profile_prefill(eng: GraphRollout, prompts) -> dict:
