@@ -137,10 +137,10 @@ def test_kernel_files_build_and_export_their_entry_points(tmp_path, monkeypatch)
 
 def test_small_kernel_launch_rule_by_layer_kind(monkeypatch):
     """The launch rule on an H200's 132 SMs, as (8-row tiles, tiles per warp, K splits, groups per
-    slice, warps per tile): narrow layers spread each tile's K over the eight warps of a block
-    (down below 3 rows: four warps, two tiles, K split to about four blocks per SM), gate_up four
-    warps per tile at 3-8 rows and two tiles per warp below; above 16 rows (8 for gate_up) the
-    block target alone; explicit arguments are kept."""
+    slice, warps per tile): narrow layers spread each tile's K over the eight warps of a block,
+    and of two blocks at 3-8 rows (down below 3 rows: four warps, two tiles, K split to about
+    four blocks per SM), gate_up four warps per tile at 3-8 rows and two tiles per warp below;
+    above 16 rows (8 for gate_up) the block target alone; explicit arguments are kept."""
     from types import SimpleNamespace
 
     from engine.kernels import nvfp4_gemm as gemm
@@ -150,11 +150,14 @@ def test_small_kernel_launch_rule_by_layer_kind(monkeypatch):
     down7 = SimpleNamespace(ntiles=3584 // 16, kg=18944 // 256)  # 74 groups: long K
     up7 = SimpleNamespace(ntiles=37888 // 16, kg=3584 // 256)  # 2368 tiles: wide
     cpu = torch.device("cpu")
-    for m in (1, 2, 8):
+    for m in (1, 2):
         assert gemm.small_config(m, qkv7, cpu) == (1, 1, 1, 2, 8)  # 14 groups over 7 of 8 warps
+    for m in (3, 8):
+        assert gemm.small_config(m, qkv7, cpu) == (1, 1, 2, 1, 8)  # and over two blocks
     assert gemm.small_config(16, qkv7, cpu) == (2, 1, 1, 2, 8)
     assert gemm.small_config(1, down7, cpu) == (1, 2, 7, 3, 4)  # 56 column blocks: 9 splits asked, 25 slices
-    assert gemm.small_config(3, down7, cpu) == (1, 1, 1, 10, 8)
+    assert gemm.small_config(3, down7, cpu) == (1, 1, 2, 5, 8)
+    assert gemm.small_config(9, down7, cpu) == (2, 1, 1, 10, 8)
     assert gemm.small_config(1, up7, cpu) == (1, 2, 5, 3, 1)  # 148 column blocks, 800-block target
     assert gemm.small_config(8, up7, cpu) == (1, 1, 1, 4, 4)
     assert gemm.small_config(16, up7, cpu) == (2, 1, 1, 14, 1)

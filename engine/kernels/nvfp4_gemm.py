@@ -35,10 +35,10 @@ SMALL_M_MAX = 128
 # (benchmarks/gemm_nvfp4.py --sweep, --sweep-slices --serial) and in the decode step (7B and 32B,
 # benchmarks/RESULTS.md). Up to 16 rows, by layer kind (N in 16-row tiles, K in 256-input groups):
 # - narrow layers (at most _NARROW_TILES tiles: q/k/v, o, down): each tile's K range over all
-#   eight warps of one block, summed in shared memory, no split across blocks (SmallConfig.wpt);
-#   but long-K ones (the down projections, >= _LONG_K_GROUPS groups) below _SLICE_MIN_M rows take
-#   four warps per tile, two tiles per warp, and K split across blocks to about _RESIDENT blocks
-#   per SM;
+#   eight warps of one block, summed in shared memory (SmallConfig.wpt), and over two blocks from
+#   _SLICE_MIN_M to 8 rows (_NARROW_SPLIT_M), over one otherwise; but long-K ones (the down
+#   projections, >= _LONG_K_GROUPS groups) below _SLICE_MIN_M rows take four warps per tile, two
+#   tiles per warp, and K split across blocks to about _RESIDENT blocks per SM;
 # - wide layers (gate_up): four warps per tile from _SLICE_MIN_M to 8 rows, no split; below that
 #   two tiles per warp with the block target below.
 # Otherwise every warp takes whole tiles and K is split across blocks until the grid has about the
@@ -49,6 +49,7 @@ _WIDE = 1.4
 _NARROW_TILES = 1024
 _LONG_K_GROUPS = 48
 _SLICE_MIN_M = 3
+_NARROW_SPLIT_M = 8
 _RESIDENT = 4
 _VARIANTS = {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (16, 1)}
 # L2 prefetch distance of the fused kernel in records of 256 inputs (0: off); measured to help
@@ -240,7 +241,7 @@ def _rule(m: int, p: PreparedNVFP4, sms: int) -> tuple[int, int | None, int] | N
         return None
     narrow, long_k = p.ntiles <= _NARROW_TILES, p.kg >= _LONG_K_GROUPS
     if narrow and (m >= _SLICE_MIN_M or not long_k):
-        return 1, 1, 8
+        return 1, 2 if _SLICE_MIN_M <= m <= _NARROW_SPLIT_M else 1, 8
     if narrow:
         return 2, max(1, round(_RESIDENT * sms / small_column_blocks(p, 2, 4))), 4
     if m < _SLICE_MIN_M:
