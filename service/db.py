@@ -26,8 +26,14 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 IDLE_PING_SECONDS = 10.0
 
 
-def make_engine(url: str, **kwargs: Any) -> Engine:
-    """An engine with the per-backend settings above; ``kwargs`` go to ``create_engine``."""
+def make_engine(url: str, *, idle_in_transaction_s: float | None = None, **kwargs: Any) -> Engine:
+    """An engine with the per-backend settings above; ``kwargs`` go to ``create_engine``.
+
+    ``idle_in_transaction_s`` (Postgres): the server ends a session whose transaction waits that
+    long on its client, releasing its row locks. Workers pass their lease: a worker frozen inside
+    a transaction (a stopped host, a process stalled mid-write) would otherwise hold its job's row
+    lock for as long as its connection lives, and the reaper, which skips locked rows, could never
+    hand the job to another worker."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
@@ -38,7 +44,10 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         return engine
     if parsed.get_backend_name() != "postgresql":
         return create_engine(url, pool_pre_ping=True, **kwargs)
-    engine = create_engine(url, connect_args={"connect_timeout": 5}, **kwargs)
+    connect: dict[str, Any] = {"connect_timeout": 5}
+    if idle_in_transaction_s is not None:
+        connect["options"] = f"-c idle_in_transaction_session_timeout={max(1, round(idle_in_transaction_s * 1000))}"
+    engine = create_engine(url, connect_args=connect, **kwargs)
     _check_on_checkout(engine)
     return engine
 

@@ -158,6 +158,44 @@ def test_a_frozen_worker_cannot_write_after_it_was_reaped(start_workers, pg_sess
         assert steps_2 and steps_2[-1] == 16
 
 
+def test_a_worker_frozen_inside_a_transaction_does_not_keep_the_reaper_out(worker_pg_url, pg_sessions):
+    """The race the test above can hit: a worker stopped between its fence and its commit holds
+    the job's row lock, and the reaper skips locked rows. With the workers' engine setting
+    (``idle_in_transaction_s``: their lease) the server ends the stalled session after that long,
+    the lock goes, and a reaper pass requeues the job; the frozen worker's commit then fails and
+    writes nothing."""
+    from sqlalchemy import update
+    from sqlalchemy.exc import DBAPIError
+
+    from service.db import make_engine, make_sessionmaker
+    from service.models import utcnow
+
+    frozen = make_engine(worker_pg_url, idle_in_transaction_s=2.0)
+    try:
+        with pg_sessions() as s:
+            jid = make_job(s, tiny_spec("tiny", steps=4)).id
+            queue.claim(s, jid, "frozen-worker", lease_seconds=30)
+            s.execute(update(Job).where(Job.id == jid).values(lease_expires_at=utcnow()))  # the lease ran out
+            s.commit()
+        stalled = make_sessionmaker(frozen)()
+        assert queue.fence(stalled, jid, 1) == "running"  # the row is locked until this transaction ends
+        t0 = time.monotonic()
+        with pg_sessions() as s:
+            assert queue.reap(s) == []  # locked: skipped
+            while not (requeued := queue.reap(s)) and time.monotonic() - t0 < 60:
+                time.sleep(0.2)
+        assert requeued == [jid] and time.monotonic() - t0 < 20  # about the 2 s timeout
+        with pytest.raises(DBAPIError):
+            queue.add_event(stalled, jid, 1, "written after the reap")
+            stalled.commit()
+        stalled.close()
+        with pg_sessions() as s:
+            assert s.get(Job, jid).status in ("queued", "running")  # requeued (a worker may take it)
+            assert all(e.message != "written after the reap" for e in events(s, jid))
+    finally:
+        frozen.dispose()
+
+
 def test_sweeper_resends_a_lost_wakeup(start_workers, pg_sessions, worker_queue_env):
     start_workers(1, via_cli=True, **CALM)  # `qerl worker`, as operators start it
     with pg_sessions() as s:

@@ -57,7 +57,8 @@ def _session_factory() -> Any:
     if _sessions is None:
         from service.db import make_engine, make_sessionmaker
 
-        _sessions = make_sessionmaker(make_engine(str(settings.database_url)))
+        _sessions = make_sessionmaker(make_engine(str(settings.database_url),
+                                                  idle_in_transaction_s=settings.lease_seconds))
     return _sessions
 
 

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 class EmbeddedWorker:
     def __init__(self, settings: Any, *, poll_seconds: float | None = None) -> None:
-        self.engine = make_engine(str(settings.database_url))
+        self.engine = make_engine(str(settings.database_url), idle_in_transaction_s=float(settings.lease_seconds))
         self.ctx = WorkerContext(settings=settings, sessions=make_sessionmaker(self.engine),
                                  worker_id=f"embedded:{socket.gethostname()}:{os.getpid()}",
                                  shutdown=threading.Event())
