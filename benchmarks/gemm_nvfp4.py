@@ -95,7 +95,7 @@ class Layer:
         m = x.shape[0]
         outs = torch.empty(m, self.n, dtype=torch.bfloat16, device="cuda")
         cfg = gemm.small_config(m, self.fp4[0], x.device, tnw, splits, wpt)
-        ws = torch.empty(cfg.splits * m * self.fp4[0].ntiles * 16, device="cuda") if cfg.splits > 1 else None
+        ws = gemm._workspace(cfg.splits, m, self.fp4[0], x, None)  # one for every call of the graph
         calls = [lambda p=p: gemm.gemm_small_into(x, p, outs, tnw=tnw, splits=splits, prefetch=prefetch, wpt=wpt,
                                                   workspace=ws) for p in self.fp4]
         if serial:
