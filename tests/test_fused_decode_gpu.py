@@ -328,3 +328,77 @@ def test_gemm_epilogue_equals_gemm_then_expand(ops, n, k):
     want = gemm.gemm_small_into(x, p, torch.empty(x.shape[0], n, dtype=torch.bfloat16, device="cuda"), bias=bias,
                                 lora=lora)
     assert torch.equal(gemm.matmul_epilogue(x, p, bias, lora), want)
+
+
+# -- residual add + RMSNorm inside the NVFP4 GEMMs (residual and norm modes) ------------------------
+@pytest.mark.parametrize("n,k", [(1024, 1024), (3584, 3584), (1008, 1024)])
+def test_gemm_residual_then_norm_modes(ops, n, k):
+    """A residual-mode launch leaves x + its epilogue's output in x and bf16(x * w) beside it (the
+    same bits as the plain launch plus a bf16 add and multiply); a norm-mode launch of the next
+    layer on that gives float64's RMSNorm-then-GEMM within bf16 rounding, its row factors and LoRA
+    shrink (computed by the launch's own task blocks) float64's; both output writers (split K or
+    not), with and without LoRA and bias, fresh random data, NaN-poisoned outputs."""
+    from engine.kernels import nvfp4_gemm as gemm
+    from engine.rollout.fused_ops import apply_epilogue
+    from tests.test_kernels_gpu import make_layer
+
+    p, _, _ = make_layer(n, k, seed=n + k)  # the producer: K inputs -> N = the hidden size
+    q, wref, gscale = make_layer(2 * n, n, seed=n)  # the consumer: N -> 2N
+    g = torch.Generator("cuda").manual_seed(n + 1)
+    r, eps = 16, 1e-6
+    w = torch.rand(n, device="cuda", generator=g) + 0.5
+    for m in (1, 3, 8, 16):
+        x2 = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+        x = torch.randn(m, n, device="cuda", generator=g).bfloat16()
+        for splits in (1, None):
+            what = f"{n}x{k} M={m} splits={splits}"
+            ws = torch.full((max(p.kg, q.kg) * m * max(p.ntiles, q.ntiles) * 16,), float("nan"), device="cuda")
+            bias = torch.randn(n, device="cuda", generator=g).bfloat16()
+            lora = LoraTerm(torch.randn(m, r, device="cuda", generator=g),
+                            torch.randn(r, n, device="cuda", generator=g) * 0.05, r, 2**31 - 1, 2**31 - 1)
+            y = gemm.gemm_small_into(x2, p, torch.empty(m, n, dtype=torch.bfloat16, device="cuda"), splits=splits,
+                                     workspace=ws, bias=bias, lora=lora)
+            xr, hw = x.clone(), torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            gemm.gemm_small_into(x2, p, xr, splits=splits, workspace=ws, bias=bias, lora=lora, residual=(hw, w))
+            assert torch.equal(xr, (x.float() + y.float()).bfloat16()), f"{what}: residual"
+            assert torch.equal(hw, (xr.float() * w).bfloat16()), f"{what}: x * w"
+
+            x64 = xr.double()
+            r64 = torch.rsqrt(x64.pow(2).mean(-1) + eps)  # (M,)
+            for with_lora in (False, True):
+                for qbias in (None, torch.randn(2 * n, device="cuda", generator=g).bfloat16()):
+                    a = torch.randn(2 * r, n, device="cuda", generator=g) * 0.02 if with_lora else None
+                    s = torch.full((m, 2 * r), float("nan"), device="cuda") if with_lora else None
+                    rr = torch.full((m,), float("nan"), device="cuda")
+                    sync = torch.zeros(1, dtype=torch.int32, device="cuda")
+                    term = LoraTerm(s, torch.randn(r, 2 * n, device="cuda", generator=g) * 0.05, r, n,
+                                    2**31 - 1) if with_lora else None
+                    out = torch.full((m, 2 * n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                    got = gemm.gemm_small_into(hw, q, out, splits=splits, workspace=ws, bias=qbias, lora=term,
+                                               norm=gemm.RowNorm(xr, a, s, rr, sync, eps))
+                    tag = f"{what} lora={with_lora} bias={qbias is not None}"
+                    assert not torch.isnan(got).any(), f"{tag}: unwritten outputs"
+                    torch.testing.assert_close(rr.double(), r64, rtol=1e-5, atol=0, msg=f"{tag}: row factors")
+                    h64 = hw.double() * r64[:, None]  # the normed rows as the kernel sees them (x * w rounded)
+                    s64 = None
+                    if with_lora:
+                        s64 = h64 @ a.double().t()
+                        torch.testing.assert_close(s.double(), s64, rtol=1e-4, atol=1e-5 * s64.abs().max().item(),
+                                                   msg=f"{tag}: shrink")
+                    exact = ((h64 @ wref.double().t()) / gscale.double()).bfloat16()
+                    ref_term = None if s64 is None else LoraTerm(s64.float(), term.b, r, n, 2**31 - 1)
+                    ref = apply_epilogue(exact, qbias, ref_term).float()
+                    err = (got.float() - ref).abs()
+                    bound = (ref.abs() + exact.float().abs()) * 2.0**-7 + 1e-4 * ref.abs().max()
+                    assert (err <= bound).all(), f"{tag}: max err/bound {(err / bound).max().item():.2f}"
+                    # against the RMSNorm of x in float64 (no rounding of x * w): bf16 tolerance
+                    true = (x64 * r64[:, None] * w.double()) @ wref.double().t() / gscale.double()
+                    if qbias is None and not with_lora:
+                        torch.testing.assert_close(got.double(), true, rtol=2e-2, atol=2e-2 * true.abs().max().item())
+                    assert int(sync[0]) == (2 * r if with_lora else 1), f"{tag}: tasks"
+                    assert int(q.counters.abs().sum()) == 0 and int(p.counters.abs().sum()) == 0, "split-K tickets"
+                    again = torch.full_like(out, float("nan"))
+                    sync.zero_()
+                    gemm.gemm_small_into(hw, q, again, splits=splits, workspace=ws, bias=qbias, lora=term,
+                                         norm=gemm.RowNorm(xr, a, s, rr, sync, eps))
+                    assert torch.equal(again, got), f"{tag}: not deterministic"

@@ -138,14 +138,26 @@ def test_engine_prefill_matches_the_model_forward(monkeypatch, device, quantizat
 
 
 # -- GPU ----------------------------------------------------------------------------------------
+def _fuse_norms(monkeypatch, on: bool) -> None:
+    """Run the residual adds and RMSNorms inside the NVFP4 GEMMs (cuda_graph.FUSED_NORM_ROWS) at any
+    batch and hidden size, or never."""
+    import engine.rollout.cuda_graph as cg
+
+    monkeypatch.setattr(cg, "FUSED_NORM_ROWS", 16 if on else 0)
+    monkeypatch.setattr(cg, "FUSED_NORM_MIN_HIDDEN", 0)
+
+
 @gpu
-@pytest.mark.parametrize("quantization", ["nvfp4", "bf16"])
-def test_gpu_graph_replay_equals_eager_engine(quantization):
+@pytest.mark.parametrize(("quantization", "fused_norm"), [("nvfp4", False), ("nvfp4", True), ("bf16", False)])
+def test_gpu_graph_replay_equals_eager_engine(quantization, fused_norm, monkeypatch):
+    _fuse_norms(monkeypatch, fused_norm)
     m = _model(quantization, device="cuda", dtype=torch.bfloat16)
     tok = NumberTokenizer()
     prompts = _prompts(5)
     params = SamplingParams(max_new_tokens=40, temperature=1.0, eos_token_ids=[3, 5])
     a = GraphRollout(m, max_batch=8, max_len=512, use_graphs=True)
+    if fused_norm and a.ops.name == "cuda":
+        assert a._fused_norm(8) and a._fused_norm(1)
     got = a.generate(tok, prompts, params, generator=torch.Generator("cuda").manual_seed(0))
     assert a.stats.graphs_captured >= 1
     b = GraphRollout(m, max_batch=8, max_len=512, use_graphs=False)
@@ -212,14 +224,18 @@ def test_gpu_fused_ops_equal_torch_ops():
 
 
 @gpu
-def test_gpu_sampler_logprobs_match_cpu_reference():
-    """The log-probs the graph engine reports for its own tokens = a CPU fp32 forward's."""
+@pytest.mark.parametrize("fused_norm", [False, True])
+def test_gpu_sampler_logprobs_match_cpu_reference(fused_norm, monkeypatch):
+    """The log-probs the graph engine reports for its own tokens = a CPU fp32 forward's, with the
+    RMSNorms in their own kernels or inside the NVFP4 GEMMs."""
+    _fuse_norms(monkeypatch, fused_norm)
     m = _model("nvfp4", device="cuda", dtype=torch.bfloat16)
     tok = NumberTokenizer()
     prompts = _prompts(4)
     params = SamplingParams(max_new_tokens=24, temperature=1.0, eos_token_ids=[10**6])
-    out = GraphRollout(m, max_batch=4, max_len=256).generate(tok, prompts, params,
-                                                            generator=torch.Generator("cuda").manual_seed(1))
+    eng = GraphRollout(m, max_batch=4, max_len=256)
+    assert eng._fused_norm(4) == (fused_norm and eng.ops.name == "cuda")
+    out = eng.generate(tok, prompts, params, generator=torch.Generator("cuda").manual_seed(1))
     cpu = _model("nvfp4", device="cpu", dtype=torch.bfloat16).float()  # same codes, fp32 arithmetic
     errs, eager_errs = [], []
     for c in out:

@@ -119,31 +119,153 @@ __device__ __forceinline__ uint16_t to_bf16(float v) {
 }
 
 // Bias and LoRA term of the output (see the top); bias == nullptr and s == nullptr: none.
+// Two more modes join a projection to the RMSNorm between it and the next one without a kernel
+// of their own (the decode step's residual add + RMSNorm + LoRA shrink):
+// - residual (hw != nullptr): y is the residual stream x, updated in place to bf16(x + output),
+//   and hw = bf16(x_new * w) is written beside it: the next projection's input before its
+//   RMSNorm's row factor, which the next projection applies in its epilogue (norm mode).
+// - norm (ntasks > 0): the activations are hw, and the output is multiplied by the row factor
+//   r = rsqrt(mean(xn^2) + eps) of the residual rows xn before it is rounded. The factors and the
+//   LoRA shrink s_out = r * (hw @ a^T) are computed inside this launch by "tasks": blocks
+//   0 .. ntasks-1 of a 1-D grid each compute rank row j of the shrink (and the factors) right
+//   after the PDL wait, then count themselves done in *sync (zero before the launch); the GEMM's
+//   blocks come after them and wait for that count before their epilogue. Blocks are dispatched
+//   in index order, so the tasks are running before any block can wait on them (the assumption
+//   of serial split-K reductions that wait on the previous block of a column).
 struct Epilogue {
   const uint16_t* bias;  // (N) bf16
   const float* s;        // (M, ld_s) fp32: the LoRA shrink x @ A^T, member m in columns m*r .. m*r+r-1
   const float* b;        // (r, ld_b) fp32: B^T with the scaling folded in
   int r, ld_s, ld_b, n1, n2;  // members: columns [0, n1), [n1, n2), [n2, N)
+  uint16_t* hw;          // residual mode: (M, N) bf16 out
+  const float* w;        // residual mode: (N) fp32, the next RMSNorm's weight
+  const uint16_t* xn;    // norm mode: (M, K) bf16 residual rows
+  const float* a;        // norm mode: (ntasks, K) fp32 LoRA A rows, or null (one task: the factors)
+  float* s_out;          // norm mode: (M, ntasks) fp32, r * hw @ a^T (null without a)
+  float* r_out;          // norm mode: (M) fp32 row factors
+  int* sync;             // norm mode: tasks done
+  int ntasks;
+  float eps;
 };
+
+__device__ __forceinline__ uint32_t word(const int4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
 
 __device__ __forceinline__ float bf16_value(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
 
 // The bf16 bits of output (tk, nn) whose fp32 product (times alpha) is v.
-template <bool EPI>
+template <int EPI>
 __device__ __forceinline__ uint16_t epilogue(float v, const Epilogue& e, int tk, int nn) {
+  if constexpr (EPI == 2) {
+    if (e.ntasks) v *= __ldcg(e.r_out + tk);  // written by this launch's tasks: read from L2
+  }
   uint16_t o = to_bf16(v);
-  if constexpr (!EPI) return o;
+  if constexpr (EPI == 0) return o;
   if (e.bias) o = to_bf16(bf16_value(o) + bf16_value(e.bias[nn]));
   if (e.s) {
     const int m = (nn >= e.n1) + (nn >= e.n2);
     const float* sp = e.s + (size_t)tk * e.ld_s + m * e.r;
     const float* bp = e.b + nn;
     float d = 0.f;
+    if (EPI == 2 && e.ntasks) {
 #pragma unroll 16
-    for (int t = 0; t < e.r; ++t) d = fmaf(sp[t], bp[(size_t)t * e.ld_b], d);  // r = 16: one round of loads
+      for (int t = 0; t < e.r; ++t) d = fmaf(__ldcg(sp + t), bp[(size_t)t * e.ld_b], d);
+    } else {
+#pragma unroll 16
+      for (int t = 0; t < e.r; ++t) d = fmaf(sp[t], bp[(size_t)t * e.ld_b], d);  // r = 16: one round of loads
+    }
     o = to_bf16(bf16_value(o) + d);
   }
   return o;
+}
+
+// Output (tk, nn) with product v: y = the epilogue's bf16, or in residual mode x += it (y is x)
+// and hw = bf16(x_new * w).
+template <int EPI>
+__device__ __forceinline__ void store(uint16_t* y, int ldy, int tk, int nn, float v, const Epilogue& e) {
+  const uint16_t o = epilogue<EPI>(v, e, tk, nn);
+  uint16_t* p = y + (size_t)tk * ldy + nn;
+  if constexpr (EPI == 2) {
+    if (e.hw) {
+      const uint16_t xn = to_bf16(bf16_value(*p) + bf16_value(o));
+      *p = xn;
+      e.hw[(size_t)tk * ldy + nn] = to_bf16(bf16_value(xn) * e.w[nn]);
+      return;
+    }
+  }
+  *p = o;
+}
+
+// Norm mode: wait until every task of this launch is done (their writes visible).
+__device__ __forceinline__ void wait_tasks(const Epilogue& e) {
+  if (e.ntasks == 0) return;
+  int done;
+  do {
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(done) : "l"(e.sync) : "memory");
+  } while (done < e.ntasks);
+}
+
+// Norm mode, task j for up to R rows: the row factors r = rsqrt(mean(xn^2) + eps) (task 0 writes
+// them) and column j of s_out = r * (x @ a^T) over the M rows of the activations x (= hw), each
+// block sum added warp by warp in a fixed order; then the task counts itself done.
+// (Not inlined, its arguments by value: its registers stay out of the GEMM's.)
+template <int R>
+__device__ __noinline__ void norm_task(const uint16_t* __restrict__ xn, const float* __restrict__ a_rows,
+                                       float* s_out, float* r_out, int* sync, int ntasks, float eps, int j,
+                                       const uint16_t* __restrict__ x, int M, int K, int ldx) {
+  constexpr int kThreads = kWarps * 32;
+  float ss[R], u[R];
+#pragma unroll
+  for (int q = 0; q < R; ++q) ss[q] = u[q] = 0.f;
+  const float* a = a_rows ? a_rows + (size_t)j * K : nullptr;
+  pdl_wait_then_release();
+  for (int i = threadIdx.x * 8; i < K; i += kThreads * 8) {  // K is a multiple of 16
+    float av[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (a) {
+      const float4 a0 = *reinterpret_cast<const float4*>(a + i), a1 = *reinterpret_cast<const float4*>(a + i + 4);
+      av[0] = a0.x, av[1] = a0.y, av[2] = a0.z, av[3] = a0.w, av[4] = a1.x, av[5] = a1.y, av[6] = a1.z, av[7] = a1.w;
+    }
+#pragma unroll
+    for (int q = 0; q < R; ++q) {
+      if (q < M) {
+        const int4 xv = __ldcg(reinterpret_cast<const int4*>(xn + (size_t)q * K + i));
+        const int4 hv = __ldcg(reinterpret_cast<const int4*>(x + (size_t)q * ldx + i));
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+          const uint32_t xw = word(xv, c / 2), hw = word(hv, c / 2);
+          const float xf = __uint_as_float((c & 1) ? (xw & 0xffff0000u) : (xw << 16));
+          const float hf = __uint_as_float((c & 1) ? (hw & 0xffff0000u) : (hw << 16));
+          ss[q] = fmaf(xf, xf, ss[q]);
+          u[q] = fmaf(hf, av[c], u[q]);
+        }
+      }
+    }
+  }
+  __shared__ float part[2 * R][kWarps];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int q = 0; q < R; ++q) {
+    float v = ss[q], w = u[q];
+    for (int o = 16; o > 0; o >>= 1) {
+      v += __shfl_xor_sync(0xffffffffu, v, o);
+      w += __shfl_xor_sync(0xffffffffu, w, o);
+    }
+    if (lane == 0) part[q][warp] = v, part[R + q][warp] = w;
+  }
+  __syncthreads();
+  if (threadIdx.x < M) {
+    const int q = threadIdx.x;
+    float v = 0.f, w = 0.f;
+#pragma unroll
+    for (int k = 0; k < kWarps; ++k) v += part[q][k], w += part[R + q][k];
+    const float r = rsqrtf(v / (float)K + eps);
+    if (j == 0) r_out[q] = r;
+    if (a) s_out[(size_t)q * ntasks + j] = r * w;
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) atomicAdd(sync, 1);
 }
 
 // Before the PDL wait (bias and B are constant during a decode step; s is the previous kernel's
@@ -158,6 +280,7 @@ __device__ __forceinline__ void prefetch_epilogue(const Epilogue& e, int nt0, in
       for (int t = lane; t < e.r; t += 32)
         asm volatile("prefetch.global.L2 [%0];" ::"l"(e.b + (size_t)t * e.ld_b + col));
     if (e.bias && lane == 31) asm volatile("prefetch.global.L2 [%0];" ::"l"(e.bias + col));
+    if (e.w && lane == 30) asm volatile("prefetch.global.L2 [%0];" ::"l"(e.w + col));
   }
 }
 
@@ -174,10 +297,6 @@ __device__ __forceinline__ float sum_splits(const float* p, size_t stride, int s
       if (sp + j < splits) sum += v[j];
   }
   return sum;
-}
-
-__device__ __forceinline__ uint32_t word(const int4& v, int i) {
-  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
 // MMAs of half a chunk (k16 steps j = 2h, 2h+1); xh[mt] holds 16 bytes of activations.
@@ -236,7 +355,7 @@ __device__ __forceinline__ void chunk_mma_smem(float (&acc)[1][TNW][MT][4], cons
 // through a ring of D chunks per tile (chunk c+D is requested once chunk c is used), scales a
 // group ahead; all addresses are a running pointer plus constant offsets. Activations: registers
 // a chunk ahead (MT <= 2) or a per-block shared-memory double buffer filled by cp.async (MT >= 4).
-template <int MT, int TNW, int D, bool SMEM, bool EPI>
+template <int MT, int TNW, int D, bool SMEM, int EPI>
 __global__ void __launch_bounds__(kWarps * 32, MT * TNW == 1 ? 4 : (MT * TNW <= 2 ? 3 : (MT * TNW <= 4 ? 2 : 1)))
     gemm_small_kernel(const int4* __restrict__ wq, const uint16_t* __restrict__ x,
                       uint16_t* __restrict__ y, float* __restrict__ ws, int* __restrict__ counters,
@@ -249,10 +368,20 @@ __global__ void __launch_bounds__(kWarps * 32, MT * TNW == 1 ? 4 : (MT * TNW <= 
   extern __shared__ __align__(16) char xsmem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   // wpt warps per tile slot split its K range inside the block (slice ks of wpt); the block's
-  // kWarps / wpt slots hold consecutive weight tiles, and blockIdx.y splits K across blocks.
+  // kWarps / wpt slots hold consecutive weight tiles, and by (blockIdx.y) splits K across blocks.
   const int tpb = kWarps / wpt, ks = warp % wpt;
-  const int nt0 = (blockIdx.x * tpb + warp / wpt) * TNW;
-  const int split = blockIdx.y;
+  // This block's column block and K split: its grid position, or in norm mode (a 1-D grid whose
+  // first ntasks blocks are the tasks, see Epilogue) the one after them.
+  const bool tasked = EPI == 2 && ep.ntasks > 0;
+  const int cols = (ntiles + tpb * TNW - 1) / (tpb * TNW);
+  if (tasked && (int)blockIdx.x < ep.ntasks) {
+    if constexpr (EPI == 2 && MT <= 2)
+      norm_task<MT * 8>(ep.xn, ep.a, ep.s_out, ep.r_out, ep.sync, ep.ntasks, ep.eps, blockIdx.x, x, M, K, ldx);
+    return;
+  }
+  auto bx = [&]() { return tasked ? ((int)blockIdx.x - ep.ntasks) % cols : (int)blockIdx.x; };
+  const int nt0 = (bx() * tpb + warp / wpt) * TNW;
+  const int split = tasked ? ((int)blockIdx.x - ep.ntasks) / cols : (int)blockIdx.y;
   const int g0 = (split * wpt + ks) * gps;
   const int g1 = min(kg, g0 + gps);
   const int npad = ntiles * 16;
@@ -290,7 +419,7 @@ __global__ void __launch_bounds__(kWarps * 32, MT * TNW == 1 ? 4 : (MT * TNW <= 
         sc[tn] = sload(tn, 0);
       }
     }
-    if constexpr (EPI) prefetch_epilogue(ep, nt0, TNW, active && ks == 0 && split == 0, lane);
+    if constexpr (EPI > 0) prefetch_epilogue(ep, nt0, TNW, active && ks == 0 && split == 0, lane);
     pdl_wait_then_release();  // activations are the previous kernel's output
     // activations: register path, lane (g, t) reads 32 bytes of row mt*8+g per chunk
     const uint16_t* xptr[MT];
@@ -449,6 +578,7 @@ __global__ void __launch_bounds__(kWarps * 32, MT * TNW == 1 ? 4 : (MT * TNW <= 
   const float alpha = __ldg(alpha_p);
   if (splits == 1) {
     if (!owner) return;
+    if constexpr (EPI == 2) wait_tasks(ep);
 #pragma unroll
     for (int tn = 0; tn < TNW; ++tn)
 #pragma unroll
@@ -457,7 +587,7 @@ __global__ void __launch_bounds__(kWarps * 32, MT * TNW == 1 ? 4 : (MT * TNW <= 
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int tk = tok + (i & 1), nn = n + 8 * (i >> 1);
-          if (tk < M && nn < N) y[(size_t)tk * ldy + nn] = epilogue<EPI>(acc[0][tn][mt][i] * alpha, ep, tk, nn);
+          if (tk < M && nn < N) store<EPI>(y, ldy, tk, nn, acc[0][tn][mt][i] * alpha, ep);
         }
       }
     return;
@@ -481,19 +611,20 @@ __global__ void __launch_bounds__(kWarps * 32, MT * TNW == 1 ? 4 : (MT * TNW <= 
   __threadfence();
   __syncthreads();
   __shared__ int is_last;
-  if (threadIdx.x == 0) is_last = atomicAdd(&counters[blockIdx.x], 1) == splits - 1;
+  if (threadIdx.x == 0) is_last = atomicAdd(&counters[bx()], 1) == splits - 1;
   __syncthreads();
   if (!is_last) return;
   __threadfence();
+  if constexpr (EPI == 2) wait_tasks(ep);
   const int kWidth = tpb * TNW * 16;
-  const int nb = blockIdx.x * kWidth;
+  const int nb = bx() * kWidth;
   for (int i = threadIdx.x; i < M * kWidth; i += kWarps * 32) {
     const int tk = i / kWidth, nn = nb + i % kWidth;
     if (nn >= N) continue;
     const float sum = sum_splits(ws + (size_t)tk * npad + nn, (size_t)M * npad, splits);
-    y[(size_t)tk * ldy + nn] = epilogue<EPI>(sum * alpha, ep, tk, nn);
+    store<EPI>(y, ldy, tk, nn, sum * alpha, ep);
   }
-  if (threadIdx.x == 0) counters[blockIdx.x] = 0;
+  if (threadIdx.x == 0) counters[bx()] = 0;
 }
 
 // ---- Medium M (16..256 rows per block): warpgroup MMA (wgmma) --------------------------------
@@ -916,16 +1047,23 @@ cudaError_t launch(const void* fn, dim3 grid, dim3 block, int smem, void* stream
   return qerl::launch_pdl(fn, grid, block, (size_t)smem, stream, args);
 }
 
+// epi: 0 plain, 1 bias / LoRA epilogue, 2 that and the residual and norm modes (MT <= 2 only; a
+// variant of its own, so that the registers of the others stay as they were).
 template <int MT, int TNW>
-Variant variant(bool epi) {
+Variant variant(int epi) {
   constexpr bool kSmem = MT >= 4;
   constexpr int kRing = TNW >= 2 ? 2 : 4;
-  return {epi ? reinterpret_cast<void*>(&gemm_small_kernel<MT, TNW, kRing, kSmem, true>)
-              : reinterpret_cast<void*>(&gemm_small_kernel<MT, TNW, kRing, kSmem, false>),
-          kSmem ? 2 * MT * 8 * kXRowBytes : 0};
+  constexpr int kBytes = kSmem ? 2 * MT * 8 * kXRowBytes : 0;
+  if (epi == 2) {
+    if constexpr (MT <= 2) return {reinterpret_cast<void*>(&gemm_small_kernel<MT, TNW, kRing, kSmem, 2>), kBytes};
+    return {nullptr, 0};
+  }
+  return {epi ? reinterpret_cast<void*>(&gemm_small_kernel<MT, TNW, kRing, kSmem, 1>)
+              : reinterpret_cast<void*>(&gemm_small_kernel<MT, TNW, kRing, kSmem, 0>),
+          kBytes};
 }
 
-Variant pick(int mt, int tnw, bool epi = false) {
+Variant pick(int mt, int tnw, int epi = 0) {
 #define QERL_CASE(A, B) \
   if (mt == A && tnw == B) return variant<A, B>(epi);
   QERL_CASE(1, 1) QERL_CASE(1, 2) QERL_CASE(1, 4)
@@ -977,28 +1115,41 @@ cudaError_t allow_smem(const Variant& v) {
 
 extern "C" {
 
-#define QERL_EPILOGUE_ARGS \
-  const void *bias, const void *ls, const void *lb, int lr, int lds, int ldb, int n1, int n2
-#define QERL_EPILOGUE \
-  Epilogue { (const uint16_t*)bias, (const float*)ls, (const float*)lb, lr, lds, ldb, n1, n2 }
+#define QERL_EPILOGUE_ARGS                                                                         \
+  const void *bias, const void *ls, const void *lb, int lr, int lds, int ldb, int n1, int n2, void *hw, \
+      const void *w, const void *xn, const void *a, void *s_out, void *r_out, void *sync, int ntasks, float eps
+#define QERL_EPILOGUE                                                                                 \
+  Epilogue {                                                                                          \
+    (const uint16_t*)bias, (const float*)ls, (const float*)lb, lr, lds, ldb, n1, n2, (uint16_t*)hw,   \
+        (const float*)w, (const uint16_t*)xn, (const float*)a, (float*)s_out, (float*)r_out, (int*)sync, \
+        ntasks, eps                                                                                   \
+  }
 
 // Returns a cudaError_t (0 = launched). mt: 8-row activation tiles (1, 2, 4, 8, 16);
 // tnw: 16-row weight tiles per warp (1, 2, 4); wpt: warps per weight tile slot, splitting its K
 // range inside the block (1, 2, 4, 8; above 1 only for mt <= 2); splits: K split across blocks;
 // gps: groups (256 inputs) per K slice (splits * wpt slices);
 // pf: L2 prefetch distance in groups (0: none). Epilogue (bias, LoRA shrink s (M, lds), B^T
-// (lr, ldb), member edges n1, n2): null pointers for none.
+// (lr, ldb), member edges n1, n2): null pointers for none. Residual mode (hw, w; y is the
+// residual stream) and norm mode (xn, a, s_out, r_out, sync, ntasks > 0, eps; up to 16 rows):
+// see Epilogue; null / 0 for neither.
 int qerl_nvfp4_gemm_small(int mt, int tnw, int wpt, const void* wq, const void* x, void* y, void* ws,
                           void* counters, const void* alpha, int M, int N, int K, int ldx, int ldy,
                           int ntiles, int kg, int splits, int gps, int pf, QERL_EPILOGUE_ARGS,
                           void* stream) {
   const Epilogue ep = QERL_EPILOGUE;
-  const Variant v = pick(mt, tnw, bias != nullptr || ls != nullptr);
+  const Variant v = pick(mt, tnw, hw != nullptr || ntasks > 0 ? 2 : (bias != nullptr || ls != nullptr ? 1 : 0));
   if (v.fn == nullptr || (wpt != 1 && wpt != 2 && wpt != 4 && wpt != 8) || (wpt > 1 && mt > 2))
+    return (int)cudaErrorInvalidValue;
+  if ((hw != nullptr && (w == nullptr || ldy != N)) ||
+      (ntasks > 0 && (mt > 2 || xn == nullptr || r_out == nullptr || sync == nullptr || K % 16 ||
+                      (a != nullptr && s_out == nullptr))))
     return (int)cudaErrorInvalidValue;
   const int per_block = kWarps / wpt * tnw;  // weight tiles per block
   const int smem = wpt > 1 ? kWarps * tnw * mt * 4 * 32 * (int)sizeof(float) : v.smem;
-  dim3 grid((ntiles + per_block - 1) / per_block, splits);
+  const int cols = (ntiles + per_block - 1) / per_block;
+  // norm mode: the tasks' blocks, then the GEMM's
+  const dim3 grid = ntasks > 0 ? dim3(cols * splits + ntasks) : dim3(cols, splits);
   const void* epp = &ep;
   void* args[] = {&wq, &x, &y, &ws, &counters, &alpha, &M, &N, &K,
                   &ldx, &ldy, &ntiles, &kg, &splits, &gps, &pf, &wpt, const_cast<void*>(epp)};

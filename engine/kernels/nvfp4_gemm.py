@@ -19,6 +19,7 @@ in plain torch from the same repacked weights.
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 from dataclasses import dataclass
@@ -304,6 +305,50 @@ def _epilogue_args(m: int, p: PreparedNVFP4, bias: torch.Tensor | None, lora) ->
             min(lora.n2, 2**31 - 1))
 
 
+class RowNorm(NamedTuple):
+    """An RMSNorm applied by the small kernel to its own output (norm mode, up to 16 rows).
+
+    The kernel's activations are ``hw = bf16(x * w)`` (a residual-mode launch of the previous
+    projection writes them); its output rows are multiplied by ``r = rsqrt(mean(x^2) + eps)``
+    before rounding, i.e. the product of RMSNorm(x) * w up to bf16 rounding. The launch also
+    computes ``r`` and the LoRA shrink ``s = r * (hw @ a^T)`` (the shrink of the normed rows) with
+    blocks of its own, so that no kernel runs between the two projections."""
+
+    x: torch.Tensor  # (M, K) bf16: the residual rows
+    a: torch.Tensor | None  # (T, K) fp32: the LoRA A rows, or None
+    s: torch.Tensor | None  # (M, T) fp32 out (with a)
+    r: torch.Tensor  # (M,) fp32 out
+    sync: torch.Tensor  # int32, zero before the launch (counts the tasks done)
+    eps: float
+
+
+def _mode_args(m: int, k: int, ldy: int, n: int, residual, norm: RowNorm | None) -> tuple:  # noqa: ANN001
+    """The kernel's residual- and norm-mode arguments (hw, w, xn, a, s_out, r_out, sync, ntasks, eps),
+    checked; ``residual`` is (hw out (M, N) bf16, w (N,) fp32) or None."""
+    hw = w = None
+    if residual is not None:
+        hw, w = residual
+        if (hw.dtype != torch.bfloat16 or not hw.is_contiguous() or hw.shape != (m, n) or ldy != n
+                or w.dtype != torch.float32 or not w.is_contiguous() or w.numel() != n):
+            raise ValueError("residual mode needs hw (M, N) bf16 and w (N,) fp32, contiguous, and an output of row "
+                             "stride N")
+    if norm is None:
+        return (_ptr(hw), _ptr(w), None, None, None, None, None, 0, ctypes.c_float(0.0))
+    x, a, s, r, sync, eps = norm
+    if m > 16 or k % 16:
+        raise ValueError(f"norm mode takes up to 16 rows and a multiple of 16 inputs, got {m} x {k}")
+    ok = (x.dtype == torch.bfloat16 and x.is_contiguous() and x.shape == (m, k) and r.dtype == torch.float32
+          and r.is_contiguous() and r.numel() >= m and sync.dtype == torch.int32 and sync.numel() >= 1)
+    if a is not None:
+        ok = ok and (a.dtype == torch.float32 and a.is_contiguous() and a.shape[1] == k and s is not None
+                     and s.dtype == torch.float32 and s.is_contiguous() and s.shape == (m, a.shape[0]))
+    if not ok:
+        raise ValueError("norm mode needs x (M, K) bf16, r (M,) fp32, a zero int32 sync, and with a (T, K) fp32 "
+                         "s (M, T) fp32, all contiguous")
+    return (_ptr(hw), _ptr(w), x.data_ptr(), _ptr(a), _ptr(s), r.data_ptr(), sync.data_ptr(),
+            1 if a is None else a.shape[0], ctypes.c_float(eps))
+
+
 def _check_counters(p: PreparedNVFP4, splits: int, blocks_x: int) -> None:
     """Split K takes one ticket per column block."""
     if splits > 1 and p.counters.numel() < blocks_x:
@@ -318,12 +363,18 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 def gemm_small_into(x2: torch.Tensor, p: PreparedNVFP4, out: torch.Tensor, *, tnw: int | None = None,
                     splits: int | None = None, wpt: int | None = None, workspace: torch.Tensor | None = None,
                     prefetch: int | None = None, bias: torch.Tensor | None = None,
-                    lora=None) -> torch.Tensor:  # noqa: ANN001 - any object with s, b, r, n1, n2 (LoraTerm)
+                    lora=None, residual=None, norm: RowNorm | None = None) -> torch.Tensor:  # noqa: ANN001
     """Fused kernel into ``out`` [M, N] (bf16, row stride N) for x2 [M, K] bf16, M <= SMALL_M_MAX.
 
     ``bias`` (bf16 [N]) and ``lora`` (fused_ops.LoraTerm: s [M, G*r] and b [r, N] fp32, member
     edges n1, n2) are added in the kernel's epilogue in the eager order (bf16 product, + bias in
-    bf16, + delta in fp32, rounded once), which saves a launch per projection."""
+    bf16, + delta in fp32, rounded once), which saves a launch per projection.
+
+    ``residual`` = (hw, w): ``out`` is the residual stream, updated in place to out + the
+    projection (bf16), and hw (M, N) gets bf16(out * w) (the next RMSNorm's input times its weight,
+    see RowNorm). ``norm``: the RMSNorm of ``norm.x`` applied to this projection (x2 is then hw);
+    its factors and LoRA shrink are written to norm.r and norm.s (the ``lora`` term may read the
+    latter)."""
     m = x2.shape[0]
     if m > SMALL_M_MAX or m < 1:
         raise ValueError(f"the fused kernel takes 1..{SMALL_M_MAX} rows, got {m}")
@@ -337,7 +388,8 @@ def gemm_small_into(x2: torch.Tensor, p: PreparedNVFP4, out: torch.Tensor, *, tn
     err = lib.qerl_nvfp4_gemm_small(
         mt, tnw, wpt, p.wq.data_ptr(), x2.data_ptr(), out.data_ptr(), ws_ptr, p.counters.data_ptr(),
         p.alpha.data_ptr(), m, p.n, p.k, x2.stride(0), out.stride(0), p.ntiles, p.kg, splits, gps,
-        _prefetch(m) if prefetch is None else prefetch, *_epilogue_args(m, p, bias, lora), _stream(x2.device),
+        _prefetch(m) if prefetch is None else prefetch, *_epilogue_args(m, p, bias, lora),
+        *_mode_args(m, p.k, out.stride(0), p.n, residual, norm), _stream(x2.device),
     )
     _build.check(lib, err, "NVFP4 fused GEMM launch")
     return out
@@ -375,15 +427,30 @@ def dequant_into(p: PreparedNVFP4, out: torch.Tensor) -> torch.Tensor:
 
 
 def matmul_epilogue(x2: torch.Tensor, p: PreparedNVFP4, bias: torch.Tensor | None,
-                    lora) -> torch.Tensor | None:  # noqa: ANN001 - a fused_ops.LoraTerm or None
+                    lora, *, norm: RowNorm | None = None) -> torch.Tensor | None:  # noqa: ANN001 - LoraTerm
     """x2 [M, K] @ W^T + bias + LoRA delta in one launch (the small-M kernel's epilogue; see
     gemm_small_into), or None where that kernel does not run (other M, no kernels here): the
-    caller then adds bias and delta itself."""
-    m = x2.shape[0]
-    if not available(x2) or kernel_path(m, p.n, p.k) != "small":
+    caller then adds bias and delta itself. With ``norm``, x2 is hw and the RMSNorm is applied
+    (RowNorm)."""
+    if not small_epilogue(x2, p):
         return None
-    out = torch.empty(m, p.n, dtype=torch.bfloat16, device=x2.device)
-    return gemm_small_into(x2, p, out, bias=bias, lora=lora)
+    out = torch.empty(x2.shape[0], p.n, dtype=torch.bfloat16, device=x2.device)
+    return gemm_small_into(x2, p, out, bias=bias, lora=lora, norm=norm)
+
+
+def small_epilogue(x2: torch.Tensor, p: PreparedNVFP4) -> bool:
+    """Whether the small-M kernel, and so its epilogue modes, runs for x2 @ W^T here."""
+    return available(x2) and kernel_path(x2.shape[0], p.n, p.k) == "small"
+
+
+def matmul_residual(x2: torch.Tensor, p: PreparedNVFP4, bias: torch.Tensor | None, lora,  # noqa: ANN001
+                    x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The residual-mode launch (see gemm_small_into): x += x2 @ W^T + bias + LoRA delta in place
+    (bf16) and returns hw = bf16(x * w), for a following norm-mode launch (RowNorm). Only where
+    ``small_epilogue`` holds."""
+    hw = torch.empty_like(x)
+    gemm_small_into(x2, p, x, bias=bias, lora=lora, residual=(hw, w))
+    return hw
 
 
 def _scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
