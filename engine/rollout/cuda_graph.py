@@ -251,7 +251,8 @@ class GraphRollout:
         self.max_batch, self.max_len, self.len_bucket = max_batch, max_len, len_bucket
         self.sync_every = max(1, sync_every)
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
-        self.ops = pick_ops(self.device, self.dtype, qk_norm=cfg.qk_norm, head_dim=cfg.head_dim, fused=fused_ops)
+        self.ops = pick_ops(self.device, self.dtype, qk_norm=cfg.qk_norm, head_dim=cfg.head_dim, fused=fused_ops,
+                            hidden=cfg.hidden_size)
         self.attention = pick_attention(self.device, self.dtype, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
                                         head_dim=cfg.head_dim, max_batch=max_batch)
         import engine.quant.nvfp4 as nvfp4

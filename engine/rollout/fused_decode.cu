@@ -216,24 +216,44 @@ __device__ float block_sum(float v) {
   return total;
 }
 
+// Inputs of one row per thread of a THREADS-thread block: i = threadIdx.x + c * THREADS, c < kRowSlots
+// (hidden sizes up to 8 * 1024), held in registers so that a row's loads go out in one round.
+constexpr int kRowSlots = 8;
+
 // grid (rows), block THREADS. x (rows, H) += projection output (if y), then
-// out = bf16(x * rsqrt(mean(x^2) + eps) * w).
+// out = bf16(x * rsqrt(mean(x^2) + eps) * w). The norm weight (constant during a step) is read
+// before the PDL wait.
 template <int THREADS>
-__global__ void add_rmsnorm_kernel(bf16* x, const bf16* __restrict__ y, const bf16* __restrict__ bias, const Lora L,
+__global__ void __launch_bounds__(THREADS) add_rmsnorm_kernel(bf16* x, const bf16* __restrict__ y, const bf16* __restrict__ bias, const Lora L,
                                    const float* __restrict__ w, float eps, bf16* __restrict__ out, int hdim) {
-  pdl_wait_then_release();
   const long long row = blockIdx.x;
+  float v[kRowSlots], wv[kRowSlots];
+#pragma unroll
+  for (int c = 0; c < kRowSlots; ++c) {
+    const int i = threadIdx.x + c * THREADS;
+    wv[c] = i < hdim ? w[i] : 0.f;
+  }
+  pdl_wait_then_release();
   bf16* xr = x + row * hdim;
+#pragma unroll
+  for (int c = 0; c < kRowSlots; ++c) {
+    const int i = threadIdx.x + c * THREADS;
+    v[c] = i < hdim ? residual(x, y, bias, L, row, i, hdim) : 0.f;
+  }
   float ss = 0.f;
-  for (int i = threadIdx.x; i < hdim; i += THREADS) {
-    const float v = residual(x, y, bias, L, row, i, hdim);
-    if (y) xr[i] = __float2bfloat16_rn(v);
-    ss += v * v;
+#pragma unroll
+  for (int c = 0; c < kRowSlots; ++c) {
+    const int i = threadIdx.x + c * THREADS;
+    if (i < hdim) {
+      if (y) xr[i] = __float2bfloat16_rn(v[c]);
+      ss += v[c] * v[c];
+    }
   }
   const float r = rsqrtf(block_sum<THREADS>(ss) / (float)hdim + eps);
-  for (int i = threadIdx.x; i < hdim; i += THREADS) {
-    const float o = rb((ld(xr + i) * r) * w[i]);
-    out[row * hdim + i] = __float2bfloat16_rn(o);
+#pragma unroll
+  for (int c = 0; c < kRowSlots; ++c) {
+    const int i = threadIdx.x + c * THREADS;
+    if (i < hdim) out[row * hdim + i] = __float2bfloat16_rn(rb((v[c] * r) * wv[c]));
   }
 }
 
@@ -269,22 +289,36 @@ __global__ void __launch_bounds__(kShrinkThreads)
   const int i = blockIdx.y * kShrinkInputs + threadIdx.x * 4;
   float4 av[RB];
   shrink_rows<RB>(S, hdim, av);
+  float wv[4] = {0.f, 0.f, 0.f, 0.f};  // the norm weight is constant during a step
+  if (i < hdim) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) wv[c] = w[i + c];
+  }
   pdl_wait_then_release();
   const Lora none{};  // no LoRA term: null pointers, zero sizes
-  float ss = 0.f;
-  for (int e = threadIdx.x; e < hdim; e += kShrinkThreads) {
-    const float v = residual(x, y, bias, none, row, e, hdim);
-    ss += v * v;
+  // the whole row (for the norm) and this thread's 4 inputs, loaded in one round
+  float v[kRowSlots], own[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int c = 0; c < kRowSlots; ++c) {
+    const int e = threadIdx.x + c * kShrinkThreads;
+    v[c] = e < hdim ? residual(x, y, bias, none, row, e, hdim) : 0.f;
   }
+  if (i < hdim) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) own[c] = residual(x, y, bias, none, row, i + c, hdim);
+  }
+  float ss = 0.f;
+#pragma unroll
+  for (int c = 0; c < kRowSlots; ++c)
+    if (threadIdx.x + c * kShrinkThreads < hdim) ss += v[c] * v[c];
   const float r = rsqrtf(block_sum<kShrinkThreads>(ss) / (float)hdim + eps);
   float hv[4] = {0.f, 0.f, 0.f, 0.f};
   if (i < hdim) {
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      const float v = residual(x, y, bias, none, row, i + c, hdim);
-      hv[c] = rb((v * r) * w[i + c]);
+      hv[c] = rb((own[c] * r) * wv[c]);
       if (blockIdx.x == 0) {
-        x_out[row * hdim + i + c] = __float2bfloat16_rn(v);
+        x_out[row * hdim + i + c] = __float2bfloat16_rn(own[c]);
         h_out[row * hdim + i + c] = __float2bfloat16_rn(hv[c]);
       }
     }
@@ -388,7 +422,7 @@ static int fused_grid(int rows, int k, int rtot, int rb, const void* ws, const v
 int qerl_add_rmsnorm_shrink(const void* x, const void* y, const void* bias, const void* w, float eps, void* x_out,
                             void* h, SHRINK_ARGS, int rows, int hdim, int rb, void* stream) {
   dim3 grid;
-  if (x == x_out) return (int)cudaErrorInvalidValue;
+  if (x == x_out || hdim > kRowSlots * kShrinkThreads) return (int)cudaErrorInvalidValue;
   if (int err = fused_grid(rows, hdim, rtot, rb, ws, tickets, &grid)) return err;
   QERL_RB_CASES(add_rmsnorm_shrink_kernel, (const bf16*)x, (const bf16*)y, (const bf16*)bias, (const float*)w, eps,
                 (bf16*)x_out, (bf16*)h, SHRINK_MAKE, rows, hdim)
@@ -422,6 +456,7 @@ int qerl_qkv_rope_cache(const void* y, const void* bias, LORA_ARGS, const void* 
 
 int qerl_add_rmsnorm(void* x, const void* y, const void* bias, LORA_ARGS, const void* w, float eps, void* out,
                      int rows, int hdim, void* stream) {
+  if (hdim > kRowSlots * 1024) return (int)cudaErrorInvalidValue;
   return (int)launch(add_rmsnorm_kernel<1024>, dim3(rows), dim3(1024), stream, (bf16*)x, (const bf16*)y,
                      (const bf16*)bias, LORA_MAKE, (const float*)w, eps, (bf16*)out, hdim);
 }

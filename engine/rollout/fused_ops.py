@@ -27,6 +27,7 @@ from engine.model.layers import apply_rope
 SOURCE = Path(__file__).with_name("fused_decode.cu")
 FLAGS = ["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC"]
 SHRINK_BLOCK_INPUTS = 4096  # inputs per block of lora_shrink_kernel (kShrinkInputs)
+MAX_HIDDEN = 8 * 1024  # the norm kernels hold a row in registers (kRowSlots per thread of 1024)
 
 
 @dataclass
@@ -290,12 +291,12 @@ def _library() -> ctypes.CDLL | None:
 
 
 def pick_ops(device: torch.device, dtype: torch.dtype, *, qk_norm: bool, head_dim: int,
-             fused: bool | None = None) -> TorchOps | CudaOps:
-    """CudaOps on an sm_90 GPU with bf16 activations (unless ``fused`` is False or
-    QERL_FUSED_DECODE=0), else TorchOps."""
+             fused: bool | None = None, hidden: int = 0) -> TorchOps | CudaOps:
+    """CudaOps on an sm_90 GPU with bf16 activations and a hidden size up to 8192 (unless
+    ``fused`` is False or QERL_FUSED_DECODE=0), else TorchOps."""
     if fused is None:
         fused = os.environ.get("QERL_FUSED_DECODE", "1") != "0"
     ok = (fused and device.type == "cuda" and dtype == torch.bfloat16 and not qk_norm and head_dim % 2 == 0
-          and head_dim <= 1024 and torch.cuda.get_device_capability(device) == (9, 0))
+          and head_dim <= 1024 and hidden <= MAX_HIDDEN and torch.cuda.get_device_capability(device) == (9, 0))
     lib = _library() if ok else None
     return CudaOps(lib) if lib is not None else TorchOps()
