@@ -254,8 +254,8 @@ def test_gpu_sampler_logprobs_match_cpu_reference(fused_norm, monkeypatch):
 
 def test_fused_shrink_rank_rows_rule(monkeypatch):
     """CudaOps' choice of rank rows per block for the fused norm / SiLU + shrink kernels on a
-    132-SM GPU: the fewest of 1, 2, 4, 8 that keep one block per SM, grouping only where the
-    inputs span two or more 4096-input blocks; None (the two kernels) beyond that."""
+    132-SM GPU: the fewest of 1, 2, 4, 8 that keep one block per SM; None (the two kernels)
+    beyond that."""
     from engine.kernels import nvfp4_gemm
     from engine.rollout.fused_ops import CudaOps
 
@@ -264,7 +264,8 @@ def test_fused_shrink_rank_rows_rule(monkeypatch):
     a7, a16, a48 = torch.zeros(7, 4), torch.zeros(16, 4), torch.zeros(48, 4)
     assert [ops._fused_ranks(r, 27648, a7) for r in (1, 3, 8, 13)] == [1, 2, 4, 8]
     assert ops._fused_ranks(1, 3584, a48) == 1  # 7B q/k/v at one row: 48 blocks
-    assert ops._fused_ranks(3, 3584, a48) is None  # one K block: no grouping, 144 blocks are too many
+    assert ops._fused_ranks(3, 3584, a48) == 2  # one K block: 144 blocks are too many, 72 with pairs
+    assert ops._fused_ranks(8, 3584, a48) == 4  # 7B q/k/v at batch 8: 8 x 12 blocks
     assert ops._fused_ranks(8, 5120, a48) == 8  # 32B q/k/v at batch 8: 16 x 6 blocks
     assert ops._fused_ranks(8, 18944, a16) == 8  # 5 K blocks x 8 rows x 2 groups
     assert ops._fused_ranks(32, 5120, a48) is None  # 64 x 6 blocks even with 8 rank rows

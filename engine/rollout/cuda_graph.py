@@ -69,8 +69,9 @@ _MATMUL_OPS = TorchOps()
 # more latency than a launch from a few rows on); then SiLU * up and the down shrink are one launch.
 GU_EPILOGUE_ROWS = 2
 # q/k/v's bias and LoRA expand go into its NVFP4 GEMM's epilogue up to this many rows, leaving
-# RoPE and the cache write to the epilogue kernel (7B batch 1: 3.00 -> 2.96 ms per step; level at 8).
-QKV_EPILOGUE_ROWS = 2
+# RoPE and the cache write to the epilogue kernel (7B batch 1: 3.00 -> 2.96 ms per step; at 8 rows,
+# once the epilogue's loads went out in one round: 7B 3.13 -> 3.08, 32B 10.08 -> 9.92).
+QKV_EPILOGUE_ROWS = 8
 # With NVFP4 groups on the fused ops, up to FUSED_NORM_ROWS rows (at most 16, the small kernel's)
 # and a hidden size of at least FUSED_NORM_MIN_HIDDEN, the residual add + RMSNorm + LoRA shrink
 # between o and gate/up and between down and the next q/k/v run inside the two GEMMs (residual

@@ -169,19 +169,19 @@ class CudaOps:
 
     def _fused_ranks(self, rows: int, k: int, a: torch.Tensor) -> int | None:
         """Rank rows of A per block for a fused shrink kernel (blocks of 1024 threads, one per row,
-        4096 inputs and rank-row group), or None for the two kernels instead: the fewest that keep
-        the grid within one block per SM, from 1, 2, 4, 8 where the inputs span two or more K
-        blocks and from 1 alone otherwise. Measured on H200 (decode step, r=16): at 1 row one rank
-        row per block saves the shrink's launch; at 8 rows one rank row per block (384 blocks at
-        7B) made the step slower than the two kernels (the next NVFP4 GEMM's early-launched blocks
-        found no room to start streaming); grouped rank rows at 8 rows gained at 14B and 32B
-        (hidden 5120: 8.23 -> 7.91 and 12.24 -> 11.80 ms per step) and lost at 7B (hidden 3584,
-        one K block: 3.85 -> 3.98)."""
+        4096 inputs and rank-row group), or None for the two kernels instead: the fewest of 1, 2, 4,
+        8 that keep the grid within one block per SM. Measured on H200 (decode step, r=16): at 1 row
+        one rank row per block saves the shrink's launch; at 8 rows one rank row per block (384
+        blocks at 7B) made the step slower than the two kernels (the next NVFP4 GEMM's early-launched
+        blocks found no room to start streaming); grouped rank rows at 8 rows gained at 14B and 32B
+        (hidden 5120: 8.23 -> 7.91 and 12.24 -> 11.80 ms per step) and, measured again after the
+        epilogue kernels got faster, also where the inputs fit one K block (hidden 3584): 7B nvfp4
+        batch 4 2.96 -> 2.92 ms, batch 8 3.13 -> 3.04, batch 16 3.96 -> 3.86; bf16 batch 8 5.29 ->
+        5.17; level at 32B."""
         from engine.kernels.nvfp4_gemm import sm_count
 
         kb = -(-k // SHRINK_BLOCK_INPUTS)
-        return next((rb for rb in ((1, 2, 4, 8) if kb > 1 else (1,))
-                     if rows * kb * -(-a.shape[0] // rb) <= sm_count(a.device)), None)
+        return next((rb for rb in (1, 2, 4, 8) if rows * kb * -(-a.shape[0] // rb) <= sm_count(a.device)), None)
 
     def add_rmsnorm_shrink(self, x, y, bias, lora, w, eps: float, a: torch.Tensor | None):
         """(x + projection, its RMSNorm h, h @ a^T) in one launch (after the expand's, with a LoRA
