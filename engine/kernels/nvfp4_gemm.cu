@@ -368,10 +368,10 @@ __global__ void __launch_bounds__(kWarps * 32, MT * TNW == 1 ? 4 : (MT * TNW <= 
   extern __shared__ __align__(16) char xsmem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   // wpt warps per tile slot split its K range inside the block (slice ks of wpt); the block's
-  // kWarps / wpt slots hold consecutive weight tiles, and by (blockIdx.y) splits K across blocks.
+  // kWarps / wpt slots hold consecutive weight tiles of its column block, and K is also split
+  // across blocks. A block's column block and K split are its grid position (x, y), or in norm
+  // mode (a 1-D grid whose first ntasks blocks are the tasks, see Epilogue) its place after them.
   const int tpb = kWarps / wpt, ks = warp % wpt;
-  // This block's column block and K split: its grid position, or in norm mode (a 1-D grid whose
-  // first ntasks blocks are the tasks, see Epilogue) the one after them.
   const bool tasked = EPI == 2 && ep.ntasks > 0;
   const int cols = (ntiles + tpb * TNW - 1) / (tpb * TNW);
   if (tasked && (int)blockIdx.x < ep.ntasks) {
