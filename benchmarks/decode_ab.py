@@ -1,0 +1,150 @@
+"""Decode-step A/B: the graph engine's ms per step under variants of its launch knobs, alternated
+on one model in one process, so that the drift between machine starts (a few percent on the GPU
+machine) does not enter the comparison.
+
+A variant is a name and module or class attributes set to Python literals for its runs (and put
+back after them); the first variant is the reference:
+
+    python3 benchmarks/decode_ab.py --size 7b --method nvfp4 --batches 1,8 --rounds 3 \\
+        --variant base: \\
+        --variant qkv2:engine.rollout.cuda_graph.QKV_EPILOGUE_ROWS=2 \\
+        --variant norm:engine.rollout.cuda_graph.FUSED_NORM_ROWS=16,engine.rollout.cuda_graph.FUSED_NORM_MIN_HIDDEN=0
+
+Each run builds the engine under the variant, warms it up (graphs captured outside the timing)
+and times a greedy rollout of ``--gen`` tokens after ``--prompt`` random prompt tokens per row
+(LoRA r = ``--rank``, random weights in the named shape). Printed per batch: each variant's
+median ms per step over ``--rounds`` runs, and its difference from the first in ms per step and
+us per layer. ``--device cpu`` with ``--shape`` overrides is a functional dry run.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import json
+import statistics
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+
+from benchmarks.rollout import set_lora
+from engine.model.shapes import NumberTokenizer, build_random_model, shape_config
+from engine.rollout import SamplingParams
+from engine.rollout.cuda_graph import GraphRollout
+
+
+def _resolve(path: str) -> tuple[Any, str]:
+    """(object, attribute name) of a dotted ``module[.Class].attr`` path."""
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for name in parts[cut:-1]:
+            obj = getattr(obj, name)
+        if not hasattr(obj, parts[-1]):
+            raise ValueError(f"{path}: {'.'.join(parts[:-1])} has no attribute {parts[-1]!r}")
+        return obj, parts[-1]
+    raise ValueError(f"{path}: no importable module in it (write module.attr or module.Class.attr)")
+
+
+def parse_variant(text: str) -> tuple[str, list[tuple[Any, str, Any]]]:
+    """``name:path=value,path=value`` -> (name, [(object, attribute, value)]); values are Python
+    literals."""
+    name, _, rest = text.partition(":")
+    if not name:
+        raise ValueError(f"variant {text!r}: give it a name (name:module.attr=value,...)")
+    sets = []
+    for item in filter(None, (x.strip() for x in rest.split(","))):
+        path, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"variant {name}: {item!r} is not path=value")
+        try:
+            literal = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"variant {name}: {value!r} is not a Python literal") from None
+        obj, attr = _resolve(path.strip())
+        sets.append((obj, attr, literal))
+    return name, sets
+
+
+@contextmanager
+def applied(sets: list[tuple[Any, str, Any]]) -> Iterator[None]:
+    """The variant's attributes set for the block, put back after it."""
+    saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in sets]
+    try:
+        for obj, attr, value in sets:
+            setattr(obj, attr, value)
+        yield
+    finally:
+        for obj, attr, value in reversed(saved):
+            setattr(obj, attr, value)
+
+
+def step_ms(model, b: int, prompt: int, gen: int, device: str) -> float:  # noqa: ANN001
+    """ms per decode step of a greedy rollout of b rows on a freshly built engine."""
+    g = torch.Generator().manual_seed(b)
+    prompts = [torch.randint(1, model.config.vocab_size, (prompt,), generator=g).tolist() for _ in range(b)]
+    eng = GraphRollout(model, max_batch=b, max_len=-(-(prompt + gen) // 256) * 256)
+    tok = NumberTokenizer()
+    eng.generate(tok, prompts, SamplingParams(max_new_tokens=min(gen, 4), temperature=0.0, eos_token_ids=[-1]))
+    eng.capture(b, prompt, prompt + gen)
+    eng.generate(tok, prompts, SamplingParams(max_new_tokens=gen, temperature=0.0, eos_token_ids=[-1]))
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return 1e3 * eng.stats.decode_s / max(1, eng.stats.steps)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    variants = [parse_variant(v) for v in args.variant] or [("base", [])]
+    overrides = {k: ast.literal_eval(v) for k, v in (x.split("=") for x in args.shape.split(",") if x)}
+    cfg = shape_config(args.size, **overrides)
+    model = build_random_model(cfg, quantization=args.method, device=args.device)
+    if args.rank:
+        set_lora(model, args.rank)
+    rows = []
+    for b in [int(x) for x in args.batches.split(",") if x]:
+        times: dict[str, list[float]] = {name: [] for name, _ in variants}
+        for _ in range(args.rounds):
+            for name, sets in variants:
+                with applied(sets):
+                    times[name].append(step_ms(model, b, args.prompt, args.gen, args.device))
+        ref = statistics.median(times[variants[0][0]])
+        for name, _ in variants:
+            ms = statistics.median(times[name])
+            row = {"size": args.size, "method": args.method, "batch": b, "variant": name, "ms_per_step": ms,
+                   "delta_ms": ms - ref, "delta_us_per_layer": 1e3 * (ms - ref) / cfg.num_layers,
+                   "runs": times[name]}
+            rows.append(row)
+            print(f"{args.size} {args.method} B={b:<3d} {name:<12s} {ms:8.3f} ms/step  {ms - ref:+7.3f} ms  "
+                  f"{row['delta_us_per_layer']:+6.1f} us/layer   runs {[round(t, 3) for t in times[name]]}",
+                  flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="7b")
+    ap.add_argument("--method", default="nvfp4", help="nvfp4 | bf16 | nf4")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rank", type=int, default=16, help="LoRA rank (0: no adapter)")
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--variant", action="append", default=[], help="name:module.attr=value,... (repeat)")
+    ap.add_argument("--shape", default="", help="shape overrides, e.g. num_layers=2,hidden_size=256")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    rows = run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows, "seconds": time.perf_counter() - t0}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""benchmarks/decode_ab.py: its variants (module and class attributes set to literals, put back
+after), and a functional dry run on CPU with a tiny shape."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+import engine.rollout.cuda_graph as cg
+from benchmarks import decode_ab
+from engine.rollout.fused_ops import CudaOps
+
+
+def test_variants_set_module_and_class_attributes_and_put_them_back():
+    name, sets = decode_ab.parse_variant(
+        "v:engine.rollout.cuda_graph.QKV_EPILOGUE_ROWS=3,engine.rollout.fused_ops.CudaOps.name='x'")
+    assert name == "v" and [(o, a, v) for o, a, v in sets] == [(cg, "QKV_EPILOGUE_ROWS", 3), (CudaOps, "name", "x")]
+    before = cg.QKV_EPILOGUE_ROWS
+    with decode_ab.applied(sets):
+        assert cg.QKV_EPILOGUE_ROWS == 3 and CudaOps.name == "x"
+    assert cg.QKV_EPILOGUE_ROWS == before and CudaOps.name == "cuda"
+    with pytest.raises(RuntimeError), decode_ab.applied(sets):
+        raise RuntimeError("a failed run")
+    assert cg.QKV_EPILOGUE_ROWS == before and CudaOps.name == "cuda"
+    assert decode_ab.parse_variant("base:") == ("base", [])
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    (":engine.rollout.cuda_graph.QKV_EPILOGUE_ROWS=3", "give it a name"),
+    ("v:engine.rollout.cuda_graph.QKV_EPILOGUE_ROWS", "is not path=value"),
+    ("v:engine.rollout.cuda_graph.QKV_EPILOGUE_ROWS=eight", "is not a Python literal"),
+    ("v:engine.rollout.cuda_graph.NO_SUCH_KNOB=1", "has no attribute 'NO_SUCH_KNOB'"),
+    ("v:nosuchpackage.knob=1", "no importable module"),
+])
+def test_bad_variants_name_the_problem(text, message):
+    with pytest.raises(ValueError, match=message):
+        decode_ab.parse_variant(text)
+
+
+def test_dry_run_on_cpu_alternates_the_variants():
+    args = argparse.Namespace(
+        size="7b", method="nvfp4", batches="1,2", rounds=2, rank=4, prompt=6, gen=3, device="cpu",
+        variant=["base:", "qkv1:engine.rollout.cuda_graph.QKV_EPILOGUE_ROWS=1"],
+        shape="hidden_size=64,num_layers=1,num_heads=2,num_kv_heads=1,head_dim=32,intermediate_size=128,"
+              "vocab_size=256")
+    before = cg.QKV_EPILOGUE_ROWS
+    rows = decode_ab.run(args)
+    assert [(r["batch"], r["variant"]) for r in rows] == [(1, "base"), (1, "qkv1"), (2, "base"), (2, "qkv1")]
+    assert all(len(r["runs"]) == 2 and r["ms_per_step"] > 0 for r in rows)
+    assert rows[0]["delta_ms"] == 0 and rows[2]["delta_ms"] == 0
+    assert cg.QKV_EPILOGUE_ROWS == before
