@@ -10,9 +10,9 @@ back after them); the first variant is the reference:
         --variant qkv2:engine.rollout.cuda_graph.QKV_EPILOGUE_ROWS=2 \\
         --variant norm:engine.rollout.cuda_graph.FUSED_NORM_ROWS=16,engine.rollout.cuda_graph.FUSED_NORM_MIN_HIDDEN=0
 
-Each run builds the engine under the variant, warms it up (graphs captured outside the timing)
-and times a greedy rollout of ``--gen`` tokens after ``--prompt`` random prompt tokens per row
-(LoRA r = ``--rank``, random weights in the named shape). Printed per batch: each variant's
+Each run is benchmarks/rollout.py's (``run_config``) under the variant: the engine built, warmed
+up (graphs captured outside the timing) and timed over a rollout of ``--gen`` tokens after
+``--prompt`` random prompt tokens per row (LoRA r = ``--rank``, random weights in the named shape). Printed per batch: each variant's
 median ms per step over ``--rounds`` runs, and its difference from the first in ms per step and
 us per layer. ``--device cpu`` with ``--shape`` overrides is a functional dry run.
 """
@@ -27,12 +27,8 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-import torch
-
-from benchmarks.rollout import set_lora
-from engine.model.shapes import NumberTokenizer, build_random_model, shape_config
-from engine.rollout import SamplingParams
-from engine.rollout.cuda_graph import GraphRollout
+from benchmarks.rollout import run_config, set_lora
+from engine.model.shapes import build_random_model, shape_config
 
 
 def _resolve(path: str) -> tuple[Any, str]:
@@ -84,20 +80,6 @@ def applied(sets: list[tuple[Any, str, Any]]) -> Iterator[None]:
             setattr(obj, attr, value)
 
 
-def step_ms(model, b: int, prompt: int, gen: int, device: str) -> float:  # noqa: ANN001
-    """ms per decode step of a greedy rollout of b rows on a freshly built engine."""
-    g = torch.Generator().manual_seed(b)
-    prompts = [torch.randint(1, model.config.vocab_size, (prompt,), generator=g).tolist() for _ in range(b)]
-    eng = GraphRollout(model, max_batch=b, max_len=-(-(prompt + gen) // 256) * 256)
-    tok = NumberTokenizer()
-    eng.generate(tok, prompts, SamplingParams(max_new_tokens=min(gen, 4), temperature=0.0, eos_token_ids=[-1]))
-    eng.capture(b, prompt, prompt + gen)
-    eng.generate(tok, prompts, SamplingParams(max_new_tokens=gen, temperature=0.0, eos_token_ids=[-1]))
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return 1e3 * eng.stats.decode_s / max(1, eng.stats.steps)
-
-
 def run(args: argparse.Namespace) -> list[dict]:
     variants = [parse_variant(v) for v in args.variant] or [("base", [])]
     overrides = {k: ast.literal_eval(v) for k, v in (x.split("=") for x in args.shape.split(",") if x)}
@@ -105,13 +87,19 @@ def run(args: argparse.Namespace) -> list[dict]:
     model = build_random_model(cfg, quantization=args.method, device=args.device)
     if args.rank:
         set_lora(model, args.rank)
+    bench = argparse.Namespace(prompt=args.prompt, gen=args.gen, repeats=1, device=args.device, bandwidth=False,
+                               profile=False)
+
+    def step_ms(b: int) -> float:
+        return run_config(model, args.method, args.size, args.rank, b, bench, lambda row: None)["ms_per_step"]
+
     rows = []
     for b in [int(x) for x in args.batches.split(",") if x]:
         times: dict[str, list[float]] = {name: [] for name, _ in variants}
         for _ in range(args.rounds):
             for name, sets in variants:
                 with applied(sets):
-                    times[name].append(step_ms(model, b, args.prompt, args.gen, args.device))
+                    times[name].append(step_ms(b))
         ref = statistics.median(times[variants[0][0]])
         for name, _ in variants:
             ms = statistics.median(times[name])

@@ -356,7 +356,6 @@ class GraphRollout:
                 x, h, s_qkv = ops.add_rmsnorm_shrink(x, *self._project(L.down, a, L.down.term(s_down)),
                                                      nxt.w_in if nxt else self.w_final, eps,
                                                      nxt.qkv.a if nxt else None)
-                hw = None
         self.logits[:b].copy_(F.linear(h, self.model.lm_head.weight))
         self.pos[:b] += 1
         self.slot += 1
