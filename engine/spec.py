@@ -186,6 +186,10 @@ class DataSpec:
                 raise ValueError('data.dataset.task must name a reasoning-gym task, e.g. "products"')
             _check_range("data.dataset.size", self.dataset.get("size", 200), 1, 1_000_000)
         _check_range("data.eval_size", self.eval_size, 0, 100_000)
+        size = self.dataset.get("size", 200) if self.dataset is not None else None
+        if size is not None and self.validation_file is None and self.eval_size >= size:
+            raise ValueError(f"data.eval_size={self.eval_size} would hold out every one of the dataset's {size} "
+                             f"prompts; lower data.eval_size below {size} or raise data.dataset.size")
         _check_range("data.max_prompt_tokens", self.max_prompt_tokens, 8, 131072)
 
 

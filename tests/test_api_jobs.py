@@ -103,6 +103,9 @@ BAD = [  # (request body or raw bytes, status, param)
      "method.reinforcement.hyperparameters.batch_size"),
     ({"model": MODEL, "qerl": {"dataset": RG}, "suffix": "s" * 65}, 422, "suffix"),
     ({"model": MODEL, "qerl": {"dataset": RG}, "metadata": {"k": "v" * 513}}, 422, "metadata.k"),
+    # a built-in dataset no larger than the held-out evaluation set: rejected here, not in the worker
+    ({"model": MODEL, "qerl": {"dataset": {**RG, "size": 8}}}, 422, "qerl.data.eval_size"),
+    ({"model": MODEL, "qerl": {"dataset": RG, "data": {"eval_size": 40}}}, 422, "qerl.data.eval_size"),
 ]
 
 

@@ -20,7 +20,7 @@ from tests.test_api_adapters import finish_job_with_adapter
 from tests.test_api_files import assert_error, files_on_disk, upload
 
 MODEL = "smollm2-135m-instruct"
-RG_JOB = {"model": MODEL, "qerl": {"dataset": {"source": "reasoning_gym", "task": "products", "size": 8}}}
+RG_JOB = {"model": MODEL, "qerl": {"dataset": {"source": "reasoning_gym", "task": "products", "size": 40}}}
 TRAVERSALS = ["../../../../etc/passwd", "..%2F..%2F..%2Fetc%2Fpasswd", "%2e%2e%2f%2e%2e%2fetc%2fpasswd",
               "....//....//etc/passwd", "..\\..\\..\\windows\\win.ini", "/etc/passwd", "file-x/../../../etc",
               "%252e%252e%252fetc%252fpasswd", "..;/..;/etc/passwd", "files/../../../../etc/passwd"]
