@@ -47,6 +47,7 @@
 #include <cuda_runtime.h>
 #include <cstdint>
 
+#include "mma.cuh"
 #include "pdl.cuh"
 
 namespace {
@@ -58,6 +59,7 @@ constexpr int kWarps = 8;
 __device__ __forceinline__ uint32_t rotr(uint32_t x, int s) { return __funnelshift_r(x, x, s); }
 
 using qerl::pdl_wait_then_release;
+using qerl::word;
 
 // 8 codes -> 4 bf16x2 holding e2m1 * 2^-126 (exact).
 __device__ __forceinline__ void unpack8(uint32_t q, uint32_t& r0, uint32_t& r1, uint32_t& r2,
@@ -105,11 +107,7 @@ __device__ __forceinline__ int4 ld_x(const uint16_t* p) {
 
 __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                          uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  qerl::mma_m16n8k16_bf16(c, a[0], a[1], a[2], a[3], b0, b1);
 }
 
 __device__ __forceinline__ uint16_t to_bf16(float v) {
@@ -148,11 +146,16 @@ struct Epilogue {
   float eps;
 };
 
-__device__ __forceinline__ uint32_t word(const int4& v, int i) {
-  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
-
 __device__ __forceinline__ float bf16_value(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
+
+// sum_t s[t] * b[t * ld_b] (r = 16: one round of loads); L2: read s through L2 only.
+template <bool L2>
+__device__ __forceinline__ float lora_dot(const float* sp, const float* bp, int ld_b, int r) {
+  float d = 0.f;
+#pragma unroll 16
+  for (int t = 0; t < r; ++t) d = fmaf(L2 ? __ldcg(sp + t) : sp[t], bp[(size_t)t * ld_b], d);
+  return d;
+}
 
 // The bf16 bits of output (tk, nn) whose fp32 product (times alpha) is v.
 template <int EPI>
@@ -167,14 +170,8 @@ __device__ __forceinline__ uint16_t epilogue(float v, const Epilogue& e, int tk,
     const int m = (nn >= e.n1) + (nn >= e.n2);
     const float* sp = e.s + (size_t)tk * e.ld_s + m * e.r;
     const float* bp = e.b + nn;
-    float d = 0.f;
-    if (EPI == 2 && e.ntasks) {
-#pragma unroll 16
-      for (int t = 0; t < e.r; ++t) d = fmaf(__ldcg(sp + t), bp[(size_t)t * e.ld_b], d);
-    } else {
-#pragma unroll 16
-      for (int t = 0; t < e.r; ++t) d = fmaf(sp[t], bp[(size_t)t * e.ld_b], d);  // r = 16: one round of loads
-    }
+    // s written by this launch's tasks (norm mode) is read from L2
+    const float d = (EPI == 2 && e.ntasks) ? lora_dot<true>(sp, bp, e.ld_b, e.r) : lora_dot<false>(sp, bp, e.ld_b, e.r);
     o = to_bf16(bf16_value(o) + d);
   }
   return o;

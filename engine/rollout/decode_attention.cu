@@ -37,6 +37,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "../kernels/mma.cuh"
 #include "../kernels/pdl.cuh"
 
 typedef __nv_bfloat16 bf16;
@@ -50,18 +51,8 @@ constexpr int kThreads = 32 * kWarps;
 constexpr int kMaxRep = 8;  // query heads per kv head
 constexpr int kMaxSplits = 8;  // blocks of a cluster (the portable limit)
 
-__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
-  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
+using qerl::mma_m16n8k16_bf16;
+using qerl::word;
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
@@ -172,7 +163,7 @@ decode_attention_kernel(const bf16* __restrict__ q, const bf16* __restrict__ kc,
 #pragma unroll
       for (int kk = 0; kk < KS; ++kk) {
         const uint4& kv = ch.k[j][kk >> 1];
-        mma16816(sc[j], qa[kk][0], 0u, qa[kk][1], 0u, word(kv, 2 * (kk & 1)), word(kv, 2 * (kk & 1) + 1));
+        mma_m16n8k16_bf16(sc[j], qa[kk][0], 0u, qa[kk][1], 0u, word(kv, 2 * (kk & 1)), word(kv, 2 * (kk & 1) + 1));
       }
     }
     // lane's scores: keys 2t, 2t+1 (n-tile 0) and 8+2t, 9+2t (n-tile 1) = value keys e = 0..3
@@ -207,7 +198,7 @@ decode_attention_kernel(const bf16* __restrict__ q, const bf16* __restrict__ kc,
         a[r] = __byte_perm(word(ch.v[0][u], w), word(ch.v[1][u], w), sel);
         a[r + 2] = __byte_perm(word(ch.v[2][u], w), word(ch.v[3][u], w), sel);
       }
-      mma16816(o[mt], a[0], a[1], a[2], a[3], pb0, pb1);
+      mma_m16n8k16_bf16(o[mt], a[0], a[1], a[2], a[3], pb0, pb1);
     }
   }
   l += __shfl_xor_sync(0xffffffffu, l, 1);

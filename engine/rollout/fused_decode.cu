@@ -220,6 +220,17 @@ __device__ float block_sum(float v) {
 // (hidden sizes up to 8 * 1024), held in registers so that a row's loads go out in one round.
 constexpr int kRowSlots = 8;
 
+// This thread's slots of row `row` after the residual add (0 past the row's end).
+template <int THREADS>
+__device__ __forceinline__ void load_row(float (&v)[kRowSlots], const bf16* x, const bf16* y, const bf16* bias,
+                                         const Lora& L, long long row, int hdim) {
+#pragma unroll
+  for (int c = 0; c < kRowSlots; ++c) {
+    const int i = threadIdx.x + c * THREADS;
+    v[c] = i < hdim ? residual(x, y, bias, L, row, i, hdim) : 0.f;
+  }
+}
+
 // grid (rows), block THREADS. x (rows, H) += projection output (if y), then
 // out = bf16(x * rsqrt(mean(x^2) + eps) * w). The norm weight (constant during a step) is read
 // before the PDL wait.
@@ -234,12 +245,8 @@ __global__ void __launch_bounds__(THREADS) add_rmsnorm_kernel(bf16* x, const bf1
     wv[c] = i < hdim ? w[i] : 0.f;
   }
   pdl_wait_then_release();
+  load_row<THREADS>(v, x, y, bias, L, row, hdim);
   bf16* xr = x + row * hdim;
-#pragma unroll
-  for (int c = 0; c < kRowSlots; ++c) {
-    const int i = threadIdx.x + c * THREADS;
-    v[c] = i < hdim ? residual(x, y, bias, L, row, i, hdim) : 0.f;
-  }
   float ss = 0.f;
 #pragma unroll
   for (int c = 0; c < kRowSlots; ++c) {
@@ -298,11 +305,7 @@ __global__ void __launch_bounds__(kShrinkThreads)
   const Lora none{};  // no LoRA term: null pointers, zero sizes
   // the whole row (for the norm) and this thread's 4 inputs, loaded in one round
   float v[kRowSlots], own[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-  for (int c = 0; c < kRowSlots; ++c) {
-    const int e = threadIdx.x + c * kShrinkThreads;
-    v[c] = e < hdim ? residual(x, y, bias, none, row, e, hdim) : 0.f;
-  }
+  load_row<kShrinkThreads>(v, x, y, bias, none, row, hdim);
   if (i < hdim) {
 #pragma unroll
     for (int c = 0; c < 4; ++c) own[c] = residual(x, y, bias, none, row, i + c, hdim);
