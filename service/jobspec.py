@@ -18,8 +18,10 @@ import secrets
 from typing import Any, Callable
 
 from engine import registry
+from engine.data.builtin import check_dataset
 from engine.rewards import build_grader
 from engine.spec import TrainSpec
+from engine.types import TrainError
 from service.errors import APIError
 from service.models import File
 from service.schemas import JobCreate
@@ -156,4 +158,9 @@ def build_spec(body: JobCreate, lookup_file: Callable[[str], File | None]) -> tu
         spec = TrainSpec.from_dict(d)
     except ValueError as exc:
         raise _invalid(_param_of(str(exc)), str(exc)) from None
+    if spec.data.dataset is not None:
+        try:
+            check_dataset(spec.data.dataset)  # the task's name and config: reasoning-gym builds one item
+        except TrainError as exc:
+            raise _invalid("qerl.dataset", str(exc)) from None
     return entry.name, spec.to_dict()

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from engine.data import Example, load_examples, split_eval
+from engine.data.builtin import check_dataset
 from engine.data.demo import DEMO_SPEC
 from engine.data.jsonl import validate_jsonl
 from engine.data.prompts import SYSTEM_PROMPT
@@ -143,6 +144,13 @@ def test_fixed_dataset_seed_keeps_the_items_and_job_seed_moves_the_split():
 def test_bad_builtin_datasets_are_train_errors(dataset, needle):
     with pytest.raises(TrainError, match=needle):
         load_examples(DataSpec(dataset=dataset, eval_size=1), seed=0)
+    with pytest.raises(TrainError, match=needle):  # what the API checks when the job is created
+        check_dataset(dataset)
+
+
+def test_check_dataset_passes_what_loads():
+    check_dataset(PRODUCTS)
+    check_dataset({"source": "reasoning_gym", "task": "products", "config": {"min_digits": 2, "max_digits": 3}})
 
 
 def test_eval_size_that_leaves_no_training_data():
