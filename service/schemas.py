@@ -2,7 +2,7 @@
 with qerl's additions under a ``qerl`` key. Responses are built from ORM rows by ``service.views``."""
 from __future__ import annotations
 
-from typing import Annotated, Any, Generic, Literal, TypeVar
+from typing import Annotated, Any, Callable, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
@@ -90,6 +90,12 @@ class ListPage(BaseModel, Generic[T]):
     has_more: bool = False
     first_id: str | None = None
     last_id: str | None = None
+
+    @classmethod
+    def of(cls, data: list[T], more: bool, key: Callable[[T], str] = lambda item: item.id) -> "ListPage[T]":
+        """A page of ``data``, its cursors the ``key`` of its first and last items."""
+        return cls(data=data, has_more=more, first_id=key(data[0]) if data else None,
+                   last_id=key(data[-1]) if data else None)
 
 
 class FileObject(BaseModel):

@@ -20,8 +20,7 @@ def list_adapters(key: CurrentKey, session: SessionDep, after: str | None = None
                   limit: int = Query(20, ge=1, le=crud.MAX_LIMIT)) -> ListPage[Adapter]:
     rows, more = crud.list_adapters(session, key.project, after=after, limit=limit)
     data = [adapter_view(a) for a in rows]
-    return ListPage(data=data, has_more=more, first_id=data[0].id if data else None,
-                    last_id=data[-1].id if data else None)
+    return ListPage.of(data, more)
 
 
 @router.get("/{adapter_id}", response_model=Adapter)

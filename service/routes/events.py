@@ -49,8 +49,7 @@ async def list_events(job_id: str, request: Request, key: CurrentKey,  # type: i
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     rows, more = await reads.events_desc(job_id, before=parse_event_id(after), limit=limit)
     data = [event_view(e) for e in rows]
-    return json_response(ListPage(data=data, has_more=more, first_id=data[0].id if data else None,
-                                  last_id=data[-1].id if data else None))
+    return json_response(ListPage.of(data, more))
 
 
 async def _stream(request: Request, reads: Any, job_id: str, after: int, poll_s: float,
@@ -85,8 +84,7 @@ def job_metrics(job_id: str, key: CurrentKey, session: ReadSessionDep, after_ste
     rows, more = crud.latest_metrics(session, job_id, after_step=after_step, limit=limit)
     data = [StepMetrics(step=r.step, attempt=r.attempt, created_at=unix(r.created_at) or 0, values=r.values)
             for r in rows]
-    return ListPage(data=data, has_more=more, first_id=str(data[0].step) if data else None,
-                    last_id=str(data[-1].step) if data else None)
+    return ListPage.of(data, more, key=lambda m: str(m.step))
 
 
 @router.get("/checkpoints", response_model=ListPage[FineTuningJobCheckpoint])
@@ -95,5 +93,4 @@ def list_checkpoints(job_id: str, key: CurrentKey, session: ReadSessionDep, afte
     job = _job(session, key.project, job_id)
     rows, more = crud.list_checkpoints(session, job_id, after=after, limit=limit)
     data = [checkpoint_view(c, job) for c in rows]
-    return ListPage(data=data, has_more=more, first_id=data[0].id if data else None,
-                    last_id=data[-1].id if data else None)
+    return ListPage.of(data, more)

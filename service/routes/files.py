@@ -86,8 +86,7 @@ def list_files(key: CurrentKey, session: SessionDep, after: str | None = None,
                purpose: str | None = None) -> ListPage[FileObject]:
     rows, more = crud.list_files(session, key.project, after=after, limit=limit, purpose=purpose, order=order)
     data = [file_view(f) for f in rows]
-    return ListPage(data=data, has_more=more, first_id=data[0].id if data else None,
-                    last_id=data[-1].id if data else None)
+    return ListPage.of(data, more)
 
 
 @router.get("/{file_id}", response_model=FileObject)

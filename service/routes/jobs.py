@@ -79,8 +79,7 @@ def list_jobs(key: CurrentKey, session: ReadSessionDep, after: str | None = None
                        code="invalid_value", param="status")
     rows, more = crud.list_jobs(session, key.project, after=after, limit=limit, status=status)
     data = [job_view(j) for j in rows]
-    return ListPage(data=data, has_more=more, first_id=data[0].id if data else None,
-                    last_id=data[-1].id if data else None)
+    return ListPage.of(data, more)
 
 
 @router.get("/{job_id}", response_model=FineTuningJob)
