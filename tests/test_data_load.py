@@ -140,6 +140,7 @@ def test_fixed_dataset_seed_keeps_the_items_and_job_seed_moves_the_split():
     ({"source": "reasoning_gym", "task": "products", "config": {"min_digits": 3, "max_digits": 1}}, "data.dataset.config is not valid"),
     ({"source": "reasoning_gym", "task": "products", "config": {"size": 3}}, "set data.dataset.size instead"),
     ({"source": "reasoning_gym", "task": "products", "colour": 3}, "data.dataset.colour is not a field"),
+    ({"source": "reasoning_gym", "task": "products", "config": [3]}, "data.dataset.config must be an object"),
 ])
 def test_bad_builtin_datasets_are_train_errors(dataset, needle):
     with pytest.raises(TrainError, match=needle):
