@@ -15,19 +15,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import create_engine, select, text, update
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from service import queue
 from service.db import make_engine, make_sessionmaker, upgrade_head
 from service.models import Job, JobEvent
+from tests.conftest import pg_database
 
 __all__ = ["worker_pg_url", "worker_sqlite_url", "any_db_url", "sessions", "pg_sessions", "dispatched",
            "worker_queue_env", "celery_queue", "celery_sender", "start_workers", "WorkerProcess",
            "tiny_spec", "make_job", "events", "wait_for_status", "cancel_leftovers"]
 
 REPO = Path(__file__).resolve().parent.parent
-PG_ADMIN_URL = os.environ.get("QERL_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 REDIS_BASE = os.environ.get("QERL_TEST_REDIS", "redis://127.0.0.1:6379")
 
 
@@ -35,20 +35,8 @@ REDIS_BASE = os.environ.get("QERL_TEST_REDIS", "redis://127.0.0.1:6379")
 @pytest.fixture(scope="session")
 def worker_pg_url() -> Iterator[str]:
     """A Postgres database of this test session, migrated to head, dropped at the end."""
-    name = f"qerl_worker_{secrets.token_hex(4)}"
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as c:
-            c.execute(text(f'CREATE DATABASE "{name}"'))
-    except Exception as exc:  # pragma: no cover - environment problem
-        pytest.skip(f"Postgres at {PG_ADMIN_URL} is not reachable: {exc}")
-    url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
-    upgrade_head(url)
-    yield url
-    with admin.connect() as c:
-        c.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :n"), {"n": name})
-        c.execute(text(f'DROP DATABASE IF EXISTS "{name}"'))
-    admin.dispose()
+    with pg_database("qerl_worker") as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

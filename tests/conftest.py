@@ -9,6 +9,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,21 +27,31 @@ PG_ADMIN = os.environ.get("QERL_TEST_PG", "postgresql+psycopg://postgres@127.0.0
 
 
 # -- databases --------------------------------------------------------------------------------
+@contextmanager
+def pg_database(prefix: str) -> Iterator[str]:
+    """A new database on the shared Postgres (``prefix`` + a random suffix), migrated to head,
+    dropped at the end (its connections cut)."""
+    name = f"{prefix}_{secrets.token_hex(6)}"
+    admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+        url = PG_ADMIN.rsplit("/", 1)[0] + f"/{name}"
+        try:
+            upgrade_head(url)
+            yield url
+        finally:
+            with admin.connect() as conn:
+                conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    finally:
+        admin.dispose()
+
+
 @pytest.fixture(scope="session")
 def pg_url() -> Iterator[str]:
-    """A Postgres database of this session (random name), migrated to head, dropped at the end."""
-    name = f"qerl_test_{secrets.token_hex(6)}"
-    admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    url = PG_ADMIN.rsplit("/", 1)[0] + f"/{name}"
-    try:
-        upgrade_head(url)
+    """A Postgres database of this session, migrated to head, dropped at the end."""
+    with pg_database("qerl_test") as url:
         yield url
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
 
 
 @pytest.fixture(scope="session")

@@ -31,9 +31,8 @@ from service import queue
 from service.db import make_engine, make_sessionmaker, upgrade_head
 from service.models import Adapter, Checkpoint, Job, JobEvent, JobMetric
 from service.settings import Settings
-from tests.conftest import Key, _key
+from tests.conftest import Key, _key, pg_database
 
-PG_ADMIN = os.environ.get("QERL_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 pytestmark = pytest.mark.timeout(600)
 PG_OUTAGE_S, PG_JOB_STEPS = 18.0, 12  # far longer than the ~3.5 s the worker used to retry a write
 WIDE_MODEL_HIDDEN = 1536  # 4 layers: ~160M parameters, ~640 MB of fp32 weights
@@ -123,16 +122,8 @@ class PrivatePostgres:
 @pytest.fixture
 def fresh_db() -> Iterator[str]:
     """A database of this test alone on the shared Postgres (workers claim any queued job in theirs)."""
-    name = f"qerl_fault_{secrets.token_hex(4)}"
-    admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
-    with admin.connect() as c:
-        c.execute(text(f'CREATE DATABASE "{name}"'))
-    url = PG_ADMIN.rsplit("/", 1)[0] + f"/{name}"
-    upgrade_head(url)
-    yield url
-    with admin.connect() as c:
-        c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
+    with pg_database("qerl_fault") as url:
+        yield url
 
 
 # -- the API and jobs ----------------------------------------------------------------------------
