@@ -119,8 +119,8 @@ def test_errors_print_the_server_message(cli_job: CliJob, qerl_server: Served) -
 
 def test_watch_exits_non_zero_when_the_job_is_cancelled(qerl_server: Served) -> None:
     created = qerl_server.qerl("jobs", "create", "--model", "tiny", "--dataset", "products", "--dataset-size", "40",
-                               "--steps", "50", "--set", "qerl.data.eval_size=4", "--set", "qerl.device=cpu", "--set", "qerl.rollout.max_new_tokens=4",
-                               "--set", "qerl.prompts_per_step=1", "--json")
+                               "--steps", "50", "--set", "qerl.data.eval_size=4", "--set", "qerl.device=cpu",
+                               "--set", "qerl.rollout.max_new_tokens=4", "--set", "qerl.prompts_per_step=1", "--json")
     assert created.returncode == 0, created.stderr
     job_id = json.loads(created.stdout)["id"]
     cancel = qerl_server.qerl("jobs", "cancel", job_id)

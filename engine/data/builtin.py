@@ -26,7 +26,8 @@ def _config(dataset: dict[str, Any]) -> dict[str, Any]:
     """The task's config of a ``data.dataset`` record, after checking the record's own fields."""
     unknown = sorted(set(dataset) - set(DATASET_FIELDS))
     if unknown:
-        raise TrainError("invalid_dataset", f"data.dataset.{unknown[0]} is not a field; allowed: {', '.join(DATASET_FIELDS)}")
+        raise TrainError("invalid_dataset",
+                         f"data.dataset.{unknown[0]} is not a field; allowed: {', '.join(DATASET_FIELDS)}")
     config = dataset.get("config") or {}
     if not isinstance(config, dict):
         raise TrainError("invalid_dataset", "data.dataset.config must be an object of the task's config fields")
