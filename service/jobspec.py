@@ -52,11 +52,13 @@ def _positive(value: Any, default: int) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
 
 
-def _hyper(body: JobCreate, d: dict[str, Any], qerl: dict[str, Any], rows: int | None) -> None:
+def _hyper(body: JobCreate, d: dict[str, Any], qerl: dict[str, Any], rows: int | None) -> dict[str, str]:
+    """Apply the OpenAI hyperparameters to the spec dict d; returns {spec field: the request param
+    it came from} for the error that names a field set this way."""
     method_h = body.method.reinforcement.hyperparameters if body.method and body.method.reinforcement else None
     h = method_h or body.hyperparameters
     if h is None:
-        return
+        return {}
     p = "method.reinforcement.hyperparameters" if method_h else "hyperparameters"
     if h.reasoning_effort not in (None, "default"):
         raise _invalid(f"{p}.reasoning_effort", f"{p}.reasoning_effort applies to reasoning models served by "
@@ -71,16 +73,22 @@ def _hyper(body: JobCreate, d: dict[str, Any], qerl: dict[str, Any], rows: int |
                             ("compute_multiplier", h.compute_multiplier, 64)]:
         if isinstance(value, float) and not (0 < value <= hi):
             raise _invalid(f"{p}.{name}", f"{p}.{name} must be 'auto' or a number in (0, {hi}]; got {value}")
+    came_from = {}
     if isinstance(h.batch_size, int):
         d["prompts_per_step"] = h.batch_size
+        came_from["prompts_per_step"] = f"{p}.batch_size"
     if isinstance(h.learning_rate_multiplier, float):
         d.setdefault("optim", {})["lr"] = DEFAULT_LR * h.learning_rate_multiplier
+        came_from["optim.lr"] = f"{p}.learning_rate_multiplier"
     if isinstance(h.eval_interval, int):
         d["eval_interval"] = h.eval_interval
+        came_from["eval_interval"] = f"{p}.eval_interval"
     if isinstance(h.eval_samples, int):
         d.setdefault("data", {})["eval_size"] = h.eval_samples
+        came_from["data.eval_size"] = f"{p}.eval_samples"
     if isinstance(h.compute_multiplier, float):
         d.setdefault("rollout", {})["num_generations"] = max(2, round(4 * h.compute_multiplier))
+        came_from["rollout.num_generations"] = f"{p}.compute_multiplier"
     if isinstance(h.n_epochs, int):
         if "steps" in qerl:
             raise _invalid(f"{p}.n_epochs", f"give either {p}.n_epochs or qerl.steps, not both")
@@ -89,6 +97,8 @@ def _hyper(body: JobCreate, d: dict[str, Any], qerl: dict[str, Any], rows: int |
         size = rows if rows is not None else _positive(dataset.get("size") if isinstance(dataset, dict) else None, 200)
         batch = _positive(d.get("prompts_per_step"), TrainSpec.prompts_per_step)
         d["steps"] = math.ceil(h.n_epochs * size / batch) * _positive(d.get("rl", {}).get("mu"), 1)
+        came_from["steps"] = f"{p}.n_epochs"
+    return came_from
 
 
 def build_spec(body: JobCreate, lookup_file: Callable[[str], File | None]) -> tuple[str, dict[str, Any]]:
@@ -151,12 +161,16 @@ def build_spec(body: JobCreate, lookup_file: Callable[[str], File | None]) -> tu
             param = _FIELD.match(str(exc))
             raise _invalid("method.reinforcement." + (param.group(1) if param else "grader"), str(exc)) from None
         d["grader"] = grader
-    _hyper(body, d, qerl, rows)
+    came_from = _hyper(body, d, qerl, rows)
     d["model"] = entry.name
     d["seed"] = body.seed if body.seed is not None else secrets.randbelow(2**31)
     try:
         spec = TrainSpec.from_dict(d)
     except ValueError as exc:
+        match = _FIELD.match(str(exc))
+        field = match.group(1).rstrip(".") if match else ""
+        if field in came_from:  # set through a hyperparameter: name it, then the spec's words
+            raise _invalid(came_from[field], f"{came_from[field]}: {exc}") from None
         raise _invalid(_param_of(str(exc)), str(exc)) from None
     if spec.data.dataset is not None:
         try:

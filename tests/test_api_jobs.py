@@ -106,6 +106,12 @@ BAD = [  # (request body or raw bytes, status, param)
     # a built-in dataset no larger than the held-out evaluation set: rejected here, not in the worker
     ({"model": MODEL, "qerl": {"dataset": {**RG, "size": 8}}}, 422, "qerl.data.eval_size"),
     ({"model": MODEL, "qerl": {"dataset": RG, "data": {"eval_size": 40}}}, 422, "qerl.data.eval_size"),
+    # a spec field set through an OpenAI hyperparameter: the error names the hyperparameter
+    ({"model": MODEL, "qerl": {"dataset": RG}, "method": {"type": "reinforcement", "reinforcement": {
+        "grader": STRING_CHECK, "hyperparameters": {"eval_samples": 40}}}}, 422,
+     "method.reinforcement.hyperparameters.eval_samples"),
+    ({"model": MODEL, "qerl": {"dataset": RG}, "hyperparameters": {"eval_samples": 40}}, 422,
+     "hyperparameters.eval_samples"),
     # the task's name and config are reasoning-gym's to judge: checked before anything is queued
     ({"model": MODEL, "qerl": {"dataset": {**RG, "task": "no_such_task"}}}, 422, "qerl.dataset"),
     ({"model": MODEL, "qerl": {"dataset": {**RG, "config": {"min_digits": 3, "max_digits": 1}}}}, 422, "qerl.dataset"),
