@@ -12,9 +12,9 @@ back after them); the first variant is the reference:
 
 Each run is benchmarks/rollout.py's (``run_config``) under the variant: the engine built, warmed
 up (graphs captured outside the timing) and timed over a rollout of ``--gen`` tokens after
-``--prompt`` random prompt tokens per row (LoRA r = ``--rank``, random weights in the named shape). Printed per batch: each variant's
-median ms per step over ``--rounds`` runs, and its difference from the first in ms per step and
-us per layer. ``--device cpu`` with ``--shape`` overrides is a functional dry run.
+``--prompt`` random prompt tokens per row (LoRA r = ``--rank``, random weights in the named
+shape). Printed per batch: each variant's median ms per step over ``--rounds`` runs, and its
+difference from the first in ms per step and us per layer. ``--device cpu`` with ``--shape`` overrides is a functional dry run.
 """
 from __future__ import annotations
 

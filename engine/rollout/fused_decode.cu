@@ -235,8 +235,9 @@ __device__ __forceinline__ void load_row(float (&v)[kRowSlots], const bf16* x, c
 // out = bf16(x * rsqrt(mean(x^2) + eps) * w). The norm weight (constant during a step) is read
 // before the PDL wait.
 template <int THREADS>
-__global__ void __launch_bounds__(THREADS) add_rmsnorm_kernel(bf16* x, const bf16* __restrict__ y, const bf16* __restrict__ bias, const Lora L,
-                                   const float* __restrict__ w, float eps, bf16* __restrict__ out, int hdim) {
+__global__ void __launch_bounds__(THREADS)
+    add_rmsnorm_kernel(bf16* x, const bf16* __restrict__ y, const bf16* __restrict__ bias, const Lora L,
+                       const float* __restrict__ w, float eps, bf16* __restrict__ out, int hdim) {
   const long long row = blockIdx.x;
   float v[kRowSlots], wv[kRowSlots];
 #pragma unroll
