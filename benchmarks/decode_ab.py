@@ -22,6 +22,7 @@ import argparse
 import ast
 import importlib
 import json
+import re
 import statistics
 import time
 from contextlib import contextmanager
@@ -49,12 +50,12 @@ def _resolve(path: str) -> tuple[Any, str]:
 
 def parse_variant(text: str) -> tuple[str, list[tuple[Any, str, Any]]]:
     """``name:path=value,path=value`` -> (name, [(object, attribute, value)]); values are Python
-    literals."""
+    literals (which may hold commas: ``m.RULE={'o': (1, 1)},m.OTHER=2``)."""
     name, _, rest = text.partition(":")
     if not name:
         raise ValueError(f"variant {text!r}: give it a name (name:module.attr=value,...)")
     sets = []
-    for item in filter(None, (x.strip() for x in rest.split(","))):
+    for item in filter(None, (x.strip() for x in re.split(r",(?=\s*[A-Za-z_][\w.]*\s*=)", rest))):
         path, eq, value = item.partition("=")
         if not eq:
             raise ValueError(f"variant {name}: {item!r} is not path=value")

@@ -23,6 +23,9 @@ def test_variants_set_module_and_class_attributes_and_put_them_back():
         raise RuntimeError("a failed run")
     assert cg.QKV_EPILOGUE_ROWS == before and CudaOps.name == "cuda"
     assert decode_ab.parse_variant("base:") == ("base", [])
+    _, sets = decode_ab.parse_variant("d:engine.rollout.fused_ops.CudaOps.name=('a', 'b'),"
+                                      "engine.rollout.cuda_graph.QKV_EPILOGUE_ROWS=2")  # commas inside a literal
+    assert [(a, v) for _, a, v in sets] == [("name", ("a", "b")), ("QKV_EPILOGUE_ROWS", 2)]
 
 
 @pytest.mark.parametrize(("text", "message"), [

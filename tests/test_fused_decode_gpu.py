@@ -402,3 +402,58 @@ def test_gemm_residual_then_norm_modes(ops, n, k):
                     gemm.gemm_small_into(hw, q, again, splits=splits, workspace=ws, bias=qbias, lora=term,
                                          norm=gemm.RowNorm(xr, a, s, rr, sync, eps))
                     assert torch.equal(again, got), f"{tag}: not deterministic"
+
+
+# -- o's LoRA shrink by tasks of its own GEMM launch ------------------------------------------------
+@pytest.mark.parametrize("n,k", [(1024, 1024), (3584, 3584), (5120, 5120)])
+def test_gemm_shrink_tasks(ops, n, k):
+    """shrink_tasks: the launch's tasks compute s = x @ a^T (float64's within fp32 summation order)
+    and its epilogue adds the LoRA delta from it: the same bits as the launch given that s, and
+    float64's product + bias + delta within bf16 rounding; in plain and residual mode, both output
+    writers (split K or not), two members, fresh random data, NaN-poisoned outputs."""
+    from engine.kernels import nvfp4_gemm as gemm
+    from engine.rollout.fused_ops import apply_epilogue
+    from tests.test_kernels_gpu import make_layer
+
+    p, wref, gscale = make_layer(n, k, seed=3 * n + k)
+    g = torch.Generator("cuda").manual_seed(n + 7)
+    r = 16
+    a = torch.randn(2 * r, k, device="cuda", generator=g) * 0.02
+    b = torch.randn(r, n, device="cuda", generator=g) * 0.05
+    bias = torch.randn(n, device="cuda", generator=g).bfloat16()
+    w = torch.rand(n, device="cuda", generator=g) + 0.5
+    for m in (1, 5, 8, 16):
+        x2 = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+        s64 = x2.double() @ a.double().t()
+        for splits in (1, None):
+            what = f"{n}x{k} M={m} splits={splits}"
+            ws = torch.full((p.kg * m * p.ntiles * 16,), float("nan"), device="cuda")
+            sync = torch.zeros(1, dtype=torch.int32, device="cuda")
+            tasks = gemm.shrink_tasks(m, a, sync)
+            tasks.s.fill_(float("nan"))
+            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            got = gemm.gemm_small_into(x2, p, out, splits=splits, workspace=ws, bias=bias,
+                                       lora=LoraTerm(tasks.s, b, r, n // 2, 2**31 - 1), norm=tasks)
+            assert not torch.isnan(got).any(), f"{what}: unwritten outputs"
+            assert int(sync[0]) == 2 * r, f"{what}: tasks"
+            torch.testing.assert_close(tasks.s.double(), s64, rtol=1e-4, atol=1e-5 * s64.abs().max().item(),
+                                       msg=f"{what}: shrink")
+            given = LoraTerm(tasks.s.clone(), b, r, n // 2, 2**31 - 1)
+            want = gemm.gemm_small_into(x2, p, torch.empty_like(out), splits=splits, workspace=ws, bias=bias,
+                                        lora=given)
+            assert torch.equal(got, want), f"{what}: differs from the launch given s"
+            exact = ((x2.double() @ wref.double().t()) / gscale.double()).bfloat16()
+            ref = apply_epilogue(exact, bias, LoraTerm(s64.float(), b, r, n // 2, 2**31 - 1)).float()
+            err = (got.float() - ref).abs()
+            bound = (ref.abs() + exact.float().abs()) * 2.0**-7 + 1e-4 * ref.abs().max()
+            assert (err <= bound).all(), f"{what}: max err/bound {(err / bound).max().item():.2f}"
+            if splits is None:  # residual mode with the tasks (its own launch rule): x += the same output
+                x = torch.randn(m, n, device="cuda", generator=g).bfloat16()
+                sync.zero_()
+                xr = x.clone()
+                hw = gemm.matmul_residual(x2, p, bias, LoraTerm(tasks.s, b, r, n // 2, 2**31 - 1), xr, w, norm=tasks)
+                assert torch.equal(xr, (x.float() + want.float()).bfloat16()), f"{what}: residual"
+                assert torch.equal(hw, (xr.float() * w).bfloat16()), f"{what}: x * w"
+            assert int(p.counters.abs().sum()) == 0, "split-K tickets must be reset"
+    with pytest.raises(ValueError, match="norm mode"):
+        gemm.gemm_small_into(x2, p, out, norm=gemm.RowNorm(None, None, None, tasks.r, sync, 0.0))

@@ -138,26 +138,30 @@ def test_engine_prefill_matches_the_model_forward(monkeypatch, device, quantizat
 
 
 # -- GPU ----------------------------------------------------------------------------------------
-def _fuse_norms(monkeypatch, on: bool) -> None:
+def _fuse_norms(monkeypatch, on: bool, o_tasks: bool | None = None) -> None:
     """Run the residual adds and RMSNorms inside the NVFP4 GEMMs (cuda_graph.FUSED_NORM_ROWS) at any
-    batch and hidden size, or never."""
+    batch and hidden size, or never; o's LoRA shrink by tasks of its GEMM (O_SHRINK_TASK_ROWS) at
+    any batch or never (by default as the norms)."""
     import engine.rollout.cuda_graph as cg
 
     monkeypatch.setattr(cg, "FUSED_NORM_ROWS", 16 if on else 0)
     monkeypatch.setattr(cg, "FUSED_NORM_MIN_HIDDEN", 0)
+    monkeypatch.setattr(cg, "O_SHRINK_TASK_ROWS", 16 if (on if o_tasks is None else o_tasks) else 0)
 
 
 @gpu
-@pytest.mark.parametrize(("quantization", "fused_norm"), [("nvfp4", False), ("nvfp4", True), ("bf16", False)])
-def test_gpu_graph_replay_equals_eager_engine(quantization, fused_norm, monkeypatch):
-    _fuse_norms(monkeypatch, fused_norm)
+@pytest.mark.parametrize(("quantization", "fused_norm", "o_tasks"), [
+    ("nvfp4", False, False), ("nvfp4", False, True), ("nvfp4", True, True), ("bf16", False, False)])
+def test_gpu_graph_replay_equals_eager_engine(quantization, fused_norm, o_tasks, monkeypatch):
+    _fuse_norms(monkeypatch, fused_norm, o_tasks)
     m = _model(quantization, device="cuda", dtype=torch.bfloat16)
     tok = NumberTokenizer()
     prompts = _prompts(5)
     params = SamplingParams(max_new_tokens=40, temperature=1.0, eos_token_ids=[3, 5])
     a = GraphRollout(m, max_batch=8, max_len=512, use_graphs=True)
-    if fused_norm and a.ops.name == "cuda":
-        assert a._fused_norm(8) and a._fused_norm(1)
+    if a.ops.name == "cuda":
+        assert a._fused_norm(8) == a._fused_norm(1) == fused_norm
+        assert a._o_tasks(8) == a._o_tasks(1) == (o_tasks and quantization == "nvfp4")
     got = a.generate(tok, prompts, params, generator=torch.Generator("cuda").manual_seed(0))
     assert a.stats.graphs_captured >= 1
     b = GraphRollout(m, max_batch=8, max_len=512, use_graphs=False)
@@ -224,17 +228,19 @@ def test_gpu_fused_ops_equal_torch_ops():
 
 
 @gpu
-@pytest.mark.parametrize("fused_norm", [False, True])
-def test_gpu_sampler_logprobs_match_cpu_reference(fused_norm, monkeypatch):
+@pytest.mark.parametrize(("fused_norm", "o_tasks"), [(False, False), (False, True), (True, True)])
+def test_gpu_sampler_logprobs_match_cpu_reference(fused_norm, o_tasks, monkeypatch):
     """The log-probs the graph engine reports for its own tokens = a CPU fp32 forward's, with the
-    RMSNorms in their own kernels or inside the NVFP4 GEMMs."""
-    _fuse_norms(monkeypatch, fused_norm)
+    RMSNorms in their own kernels or inside the NVFP4 GEMMs, o's shrink in its own launch or in
+    o's GEMM."""
+    _fuse_norms(monkeypatch, fused_norm, o_tasks)
     m = _model("nvfp4", device="cuda", dtype=torch.bfloat16)
     tok = NumberTokenizer()
     prompts = _prompts(4)
     params = SamplingParams(max_new_tokens=24, temperature=1.0, eos_token_ids=[10**6])
     eng = GraphRollout(m, max_batch=4, max_len=256)
     assert eng._fused_norm(4) == (fused_norm and eng.ops.name == "cuda")
+    assert eng._o_tasks(4) == (o_tasks and eng.ops.name == "cuda")
     out = eng.generate(tok, prompts, params, generator=torch.Generator("cuda").manual_seed(1))
     cpu = _model("nvfp4", device="cpu", dtype=torch.bfloat16).float()  # same codes, fp32 arithmetic
     errs, eager_errs = [], []

@@ -130,6 +130,8 @@ __device__ __forceinline__ uint16_t to_bf16(float v) {
 //   blocks come after them and wait for that count before their epilogue. Blocks are dispatched
 //   in index order, so the tasks are running before any block can wait on them (the assumption
 //   of serial split-K reductions that wait on the previous block of a column).
+//   Without xn the factors are 1 and the tasks compute only the LoRA shrink of the launch's own
+//   activations (o's, which come from attention), which saves the shrink's launch.
 struct Epilogue {
   const uint16_t* bias;  // (N) bf16
   const float* s;        // (M, ld_s) fp32: the LoRA shrink x @ A^T, member m in columns m*r .. m*r+r-1
@@ -137,7 +139,7 @@ struct Epilogue {
   int r, ld_s, ld_b, n1, n2;  // members: columns [0, n1), [n1, n2), [n2, N)
   uint16_t* hw;          // residual mode: (M, N) bf16 out
   const float* w;        // residual mode: (N) fp32, the next RMSNorm's weight
-  const uint16_t* xn;    // norm mode: (M, K) bf16 residual rows
+  const uint16_t* xn;    // norm mode: (M, K) bf16 residual rows, or null (shrink only)
   const float* a;        // norm mode: (ntasks, K) fp32 LoRA A rows, or null (one task: the factors)
   float* s_out;          // norm mode: (M, ntasks) fp32, r * hw @ a^T (null without a)
   float* r_out;          // norm mode: (M) fp32 row factors
@@ -205,7 +207,8 @@ __device__ __forceinline__ void wait_tasks(const Epilogue& e) {
 
 // Norm mode, task j for up to R rows: the row factors r = rsqrt(mean(xn^2) + eps) (task 0 writes
 // them) and column j of s_out = r * (x @ a^T) over the M rows of the activations x (= hw), each
-// block sum added warp by warp in a fixed order; then the task counts itself done.
+// block sum added warp by warp in a fixed order; then the task counts itself done. Without xn
+// (shrink only) the factors are 1: the launch computes the LoRA shrink of its own activations.
 // (Not inlined, its arguments by value: its registers stay out of the GEMM's.)
 template <int R>
 __device__ __noinline__ void norm_task(const uint16_t* __restrict__ xn, const float* __restrict__ a_rows,
@@ -226,7 +229,7 @@ __device__ __noinline__ void norm_task(const uint16_t* __restrict__ xn, const fl
 #pragma unroll
     for (int q = 0; q < R; ++q) {
       if (q < M) {
-        const int4 xv = __ldcg(reinterpret_cast<const int4*>(xn + (size_t)q * K + i));
+        const int4 xv = xn ? __ldcg(reinterpret_cast<const int4*>(xn + (size_t)q * K + i)) : make_int4(0, 0, 0, 0);
         const int4 hv = __ldcg(reinterpret_cast<const int4*>(x + (size_t)q * ldx + i));
 #pragma unroll
         for (int c = 0; c < 8; ++c) {
@@ -256,7 +259,7 @@ __device__ __noinline__ void norm_task(const uint16_t* __restrict__ xn, const fl
     float v = 0.f, w = 0.f;
 #pragma unroll
     for (int k = 0; k < kWarps; ++k) v += part[q][k], w += part[R + q][k];
-    const float r = rsqrtf(v / (float)K + eps);
+    const float r = xn ? rsqrtf(v / (float)K + eps) : 1.f;
     if (j == 0) r_out[q] = r;
     if (a) s_out[(size_t)q * ntasks + j] = r * w;
   }
@@ -1128,8 +1131,8 @@ extern "C" {
 // gps: groups (256 inputs) per K slice (splits * wpt slices);
 // pf: L2 prefetch distance in groups (0: none). Epilogue (bias, LoRA shrink s (M, lds), B^T
 // (lr, ldb), member edges n1, n2): null pointers for none. Residual mode (hw, w; y is the
-// residual stream) and norm mode (xn, a, s_out, r_out, sync, ntasks > 0, eps; up to 16 rows):
-// see Epilogue; null / 0 for neither.
+// residual stream) and norm mode (xn, a, s_out, r_out, sync, ntasks > 0, eps; up to 16 rows;
+// xn null: shrink only): see Epilogue; null / 0 for neither.
 int qerl_nvfp4_gemm_small(int mt, int tnw, int wpt, const void* wq, const void* x, void* y, void* ws,
                           void* counters, const void* alpha, int M, int N, int K, int ldx, int ldy,
                           int ntiles, int kg, int splits, int gps, int pf, QERL_EPILOGUE_ARGS,
@@ -1139,8 +1142,8 @@ int qerl_nvfp4_gemm_small(int mt, int tnw, int wpt, const void* wq, const void* 
   if (v.fn == nullptr || (wpt != 1 && wpt != 2 && wpt != 4 && wpt != 8) || (wpt > 1 && mt > 2))
     return (int)cudaErrorInvalidValue;
   if ((hw != nullptr && (w == nullptr || ldy != N)) ||
-      (ntasks > 0 && (mt > 2 || xn == nullptr || r_out == nullptr || sync == nullptr || K % 16 ||
-                      (a != nullptr && s_out == nullptr))))
+      (ntasks > 0 && (mt > 2 || (xn == nullptr && a == nullptr) || r_out == nullptr || sync == nullptr ||
+                      K % 16 || (a != nullptr && s_out == nullptr))))
     return (int)cudaErrorInvalidValue;
   const int per_block = kWarps / wpt * tnw;  // weight tiles per block
   const int smem = wpt > 1 ? kWarps * tnw * mt * 4 * 32 * (int)sizeof(float) : v.smem;

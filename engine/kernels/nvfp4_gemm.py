@@ -312,14 +312,25 @@ class RowNorm(NamedTuple):
     projection writes them); its output rows are multiplied by ``r = rsqrt(mean(x^2) + eps)``
     before rounding, i.e. the product of RMSNorm(x) * w up to bf16 rounding. The launch also
     computes ``r`` and the LoRA shrink ``s = r * (hw @ a^T)`` (the shrink of the normed rows) with
-    blocks of its own, so that no kernel runs between the two projections."""
+    blocks of its own, so that no kernel runs between the two projections. With ``x`` None there is
+    no norm (r = 1): the launch computes only the LoRA shrink of its own activations
+    (``shrink_tasks``)."""
 
-    x: torch.Tensor  # (M, K) bf16: the residual rows
+    x: torch.Tensor | None  # (M, K) bf16: the residual rows, or None (shrink only)
     a: torch.Tensor | None  # (T, K) fp32: the LoRA A rows, or None
     s: torch.Tensor | None  # (M, T) fp32 out (with a)
     r: torch.Tensor  # (M,) fp32 out
     sync: torch.Tensor  # int32, zero before the launch (counts the tasks done)
     eps: float
+
+
+def shrink_tasks(m: int, a: torch.Tensor, sync: torch.Tensor) -> RowNorm:
+    """A RowNorm without a norm: the launch's tasks compute s = x2 @ a^T (its activations' LoRA
+    shrink, into the returned tuple's s) for its epilogue's LoRA term, in place of a launch of its
+    own. ``sync``: a zero int32 counter."""
+    s = torch.empty(m, a.shape[0], dtype=torch.float32, device=a.device)
+    r = torch.empty(m, dtype=torch.float32, device=a.device)
+    return RowNorm(None, a, s, r, sync, 0.0)
 
 
 def _mode_args(m: int, k: int, ldy: int, n: int, residual, norm: RowNorm | None) -> tuple:  # noqa: ANN001
@@ -337,15 +348,17 @@ def _mode_args(m: int, k: int, ldy: int, n: int, residual, norm: RowNorm | None)
     x, a, s, r, sync, eps = norm
     if m > 16 or k % 16:
         raise ValueError(f"norm mode takes up to 16 rows and a multiple of 16 inputs, got {m} x {k}")
-    ok = (x.dtype == torch.bfloat16 and x.is_contiguous() and x.shape == (m, k) and r.dtype == torch.float32
-          and r.is_contiguous() and r.numel() >= m and sync.dtype == torch.int32 and sync.numel() >= 1)
+    ok = ((x is None and a is not None) or (x is not None and x.dtype == torch.bfloat16 and x.is_contiguous()
+                                             and x.shape == (m, k)))
+    ok = (ok and r.dtype == torch.float32 and r.is_contiguous() and r.numel() >= m and sync.dtype == torch.int32
+          and sync.numel() >= 1)
     if a is not None:
         ok = ok and (a.dtype == torch.float32 and a.is_contiguous() and a.shape[1] == k and s is not None
                      and s.dtype == torch.float32 and s.is_contiguous() and s.shape == (m, a.shape[0]))
     if not ok:
-        raise ValueError("norm mode needs x (M, K) bf16, r (M,) fp32, a zero int32 sync, and with a (T, K) fp32 "
-                         "s (M, T) fp32, all contiguous")
-    return (_ptr(hw), _ptr(w), x.data_ptr(), _ptr(a), _ptr(s), r.data_ptr(), sync.data_ptr(),
+        raise ValueError("norm mode needs x (M, K) bf16 or a, r (M,) fp32, a zero int32 sync, and with a (T, K) "
+                         "fp32 s (M, T) fp32, all contiguous")
+    return (_ptr(hw), _ptr(w), _ptr(x), _ptr(a), _ptr(s), r.data_ptr(), sync.data_ptr(),
             1 if a is None else a.shape[0], ctypes.c_float(eps))
 
 
@@ -444,12 +457,12 @@ def small_epilogue(x2: torch.Tensor, p: PreparedNVFP4) -> bool:
 
 
 def matmul_residual(x2: torch.Tensor, p: PreparedNVFP4, bias: torch.Tensor | None, lora,  # noqa: ANN001
-                    x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+                    x: torch.Tensor, w: torch.Tensor, norm: RowNorm | None = None) -> torch.Tensor:
     """The residual-mode launch (see gemm_small_into): x += x2 @ W^T + bias + LoRA delta in place
     (bf16) and returns hw = bf16(x * w), for a following norm-mode launch (RowNorm). Only where
     ``small_epilogue`` holds."""
     hw = torch.empty_like(x)
-    gemm_small_into(x2, p, x, bias=bias, lora=lora, residual=(hw, w))
+    gemm_small_into(x2, p, x, bias=bias, lora=lora, residual=(hw, w), norm=norm)
     return hw
 
 

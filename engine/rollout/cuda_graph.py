@@ -21,6 +21,7 @@ changes is how a decode token is computed:
   views into one concatenated tensor. The LoRA stays unmerged: its shrink (input @ the
   concatenated A's) is computed by the kernel that makes the input (residual + RMSNorm for q/k/v
   and gate/up, SiLU * up for down) or, for o and past one wave of blocks, in a launch of its own;
+  for o on NVFP4 at one row (O_SHRINK_TASK_ROWS) by blocks of its own GEMM;
   its expand runs inside the group's epilogue kernel on the members' B's (scaling folded in; for
   o and down on NVFP4 at small batch, and gate/up at <= GU_EPILOGUE_ROWS, inside the GEMM). Both
   are refreshed from the live parameters at the start of every call, like the RMSNorm weights
@@ -82,6 +83,12 @@ QKV_EPILOGUE_ROWS = 8
 # norm kernel did, except where that kernel splits its inputs over blocks (hidden > 4096) at one row.
 FUSED_NORM_ROWS = 1
 FUSED_NORM_MIN_HIDDEN = 4097
+# Up to this many rows (at most 16), the LoRA shrink of o's input (from attention) is computed by
+# tasks inside o's own NVFP4 GEMM launch (nvfp4_gemm.shrink_tasks) instead of a launch of its own.
+# Measured on H200 (r=16, ms per step, off -> on, same run): 32B at one row 8.377 -> 8.189, 7B
+# 2.385 -> 2.370; but at 8 rows 7B 2.957 -> 3.034 and 32B 9.920 -> 10.025: o's launch is short,
+# and the tasks (one block per rank row over all of K) then hold its epilogue back.
+O_SHRINK_TASK_ROWS = 1
 
 
 def _bucket(n: int, cap: int) -> int:
@@ -286,8 +293,10 @@ class GraphRollout:
             self.tok = torch.zeros(max_batch, dtype=torch.long, device=self.device)
             self.slot = torch.zeros(1, dtype=torch.long, device=self.device)
             self.logits = torch.zeros(max_batch, cfg.vocab_size, dtype=torch.float32, device=self.device)
-            # the norm-mode launches' counters (q/k/v and gate/up of each layer), zeroed every step
-            self.norm_sync = torch.zeros(cfg.num_layers, 2, dtype=torch.int32, device=self.device)
+            # the task counters of the norm-mode launches (q/k/v and gate/up of each layer) and of
+            # o's shrink tasks, zeroed every step that uses them
+            self.norm_sync = torch.zeros(cfg.num_layers, 3, dtype=torch.int32, device=self.device)
+        self._small: dict[tuple[int, int], bool] = {}
         self._fused_norm_ok = (isinstance(self.ops, CudaOps) and cfg.hidden_size % 16 == 0 and
                                cfg.hidden_size >= FUSED_NORM_MIN_HIDDEN and
                                all(g.mode == "nvfp4" for L in self.layers for g in (L.qkv, L.o, L.gu, L.down)))
@@ -318,6 +327,8 @@ class GraphRollout:
 
     # -- one decode step over rows [0, b), attention over columns [0, s) ---------------------
     def _step(self, b: int, s: int) -> None:
+        from engine.kernels.nvfp4_gemm import shrink_tasks
+
         cfg, ops = self.cfg, self.ops
         heads, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
@@ -325,11 +336,13 @@ class GraphRollout:
         cos, sin = self._cos_sin(self.pos[:b])  # (B, D)
         x = self.model.model.embed_tokens(self.tok[:b])  # (B, H)
         # The shrink (x @ A^T) of a LoRA term is computed by the kernel that makes x (norm, SiLU *
-        # up) where there is one: s_qkv, s_gu, s_down; only o's input comes from attention.
+        # up) where there is one: s_qkv, s_gu, s_down; only o's input comes from attention (its
+        # shrink in a launch of its own, or by tasks of o's GEMM launch: O_SHRINK_TASK_ROWS).
         x, h, s_qkv = ops.add_rmsnorm_shrink(x, None, None, None, self.layers[0].w_in, eps, self.layers[0].qkv.a)
         self.attention.begin_step(self.valid, b, heads // kvh, s, self.dtype)
         fused = self._fused_norm(b)
-        if fused:
+        o_tasks = self._o_tasks(b)
+        if fused or o_tasks:
             self.norm_sync.zero_()
         hw = None  # with the fused norm: q/k/v's input x * w, its RMSNorm applied in its GEMM (else h)
         n = len(self.layers)
@@ -341,11 +354,16 @@ class GraphRollout:
             q = ops.qkv_rope_cache(*qkv, cos, sin, self.kc[i], self.vc[i], self.slot, heads=heads, kv_heads=kvh, d=d,
                                    q_norm=L.q_norm, k_norm=L.k_norm)
             o = self.attention(q, self.kc[i], self.vc[i], self.valid, s, self.slot)  # (B, heads * D)
+            if o_tasks:  # o's shrink by tasks of its own GEMM launch
+                o_norm = shrink_tasks(b, L.o.a, self.norm_sync[i, 2:3])
+                o_lora = L.o.term(o_norm.s)
+            else:
+                o_norm, o_lora = None, L.o.lora_term(ops, o)
             if fused:  # x += o's projection in its GEMM, whose output is gate/up's input x * w_post
-                hw = self._project_residual(L.o, o, L.o.lora_term(ops, o), x, L.w_post)
+                hw = self._project_residual(L.o, o, o_lora, x, L.w_post, norm=o_norm)
                 gu = self._project_norm(L.gu, hw, x, self.norm_sync[i, 1:2], GU_EPILOGUE_ROWS)
             else:
-                x, h, s_gu = ops.add_rmsnorm_shrink(x, *self._project(L.o, o, L.o.lora_term(ops, o)), L.w_post,
+                x, h, s_gu = ops.add_rmsnorm_shrink(x, *self._project(L.o, o, o_lora, norm=o_norm), L.w_post,
                                                     eps, L.gu.a)
                 gu = self._project(L.gu, h, L.gu.term(s_gu), GU_EPILOGUE_ROWS)
             a, s_down = ops.silu_mul_shrink(*gu, L.down.a)
@@ -412,35 +430,51 @@ class GraphRollout:
             x, h = ops.add_rmsnorm(x, L.down.base(a), L.down.bias, L.down.lora_term(shrink, a), w_next, eps)
         return self.model.lm_head(h).float()
 
-    def _project(self, g: _Group, inp: torch.Tensor, lora: LoraTerm | None, epilogue_rows: int = 1 << 30):
+    def _project(self, g: _Group, inp: torch.Tensor, lora: LoraTerm | None, epilogue_rows: int = 1 << 30, *,
+                 norm=None):  # noqa: ANN001 - nvfp4_gemm.RowNorm
         """Group g's GEMM of inp: (output, bias, LoRA term) with bias and LoRA still to add, or
         (output, None, None) where an NVFP4 group's small-M kernel added them in its epilogue
-        (for at most ``epilogue_rows`` rows)."""
+        (for at most ``epilogue_rows`` rows; that launch also runs the tasks of ``norm``, which
+        must then be given only where that kernel runs)."""
         if g.mode == "nvfp4" and isinstance(self.ops, CudaOps) and inp.shape[0] <= epilogue_rows:
             from engine.kernels.nvfp4_gemm import matmul_epilogue
 
-            y = matmul_epilogue(inp, g.prepared, g.bias, lora)
+            y = matmul_epilogue(inp, g.prepared, g.bias, lora, norm=norm)
             if y is not None:
                 return y, None, None
+        if norm is not None:
+            raise RuntimeError("a launch with tasks needs the small-M kernel")
         return g.base(inp), g.bias, lora
+
+    def _small_kernel(self, b: int, groups: str) -> bool:
+        """Whether every layer's named groups (e.g. "o", "qkv o gu down") run b rows on the NVFP4
+        small-M kernel (whose epilogue modes and tasks the step may then use)."""
+        from engine.kernels import nvfp4_gemm
+
+        key = (b, groups, nvfp4_gemm.SMALL_PATH_MAX)
+        if key not in self._small:
+            probe = torch.empty(b, 16, dtype=self.dtype, device=self.device)
+            self._small[key] = all(g.mode == "nvfp4" and nvfp4_gemm.small_epilogue(probe, g.prepared)
+                                   for L in self.layers for g in (getattr(L, n) for n in groups.split()))
+        return self._small[key]
 
     def _fused_norm(self, b: int) -> bool:
         """Whether a step of b rows runs the residual adds and RMSNorms inside the GEMMs
         (FUSED_NORM_ROWS): NVFP4 groups on the small kernel, fused element-wise ops."""
-        if not self._fused_norm_ok or b > FUSED_NORM_ROWS:
-            return False
-        from engine.kernels.nvfp4_gemm import small_epilogue
+        return self._fused_norm_ok and b <= FUSED_NORM_ROWS and self._small_kernel(b, "qkv o gu down")
 
-        probe = torch.empty(b, 16, dtype=self.dtype, device=self.device)
-        return all(small_epilogue(probe, g.prepared) for L in self.layers for g in (L.qkv, L.o, L.gu, L.down))
+    def _o_tasks(self, b: int) -> bool:
+        """Whether a step of b rows computes o's LoRA shrink inside o's GEMM (O_SHRINK_TASK_ROWS)."""
+        return (isinstance(self.ops, CudaOps) and b <= min(16, O_SHRINK_TASK_ROWS)
+                and all(L.o.lora and L.o.k % 16 == 0 for L in self.layers) and self._small_kernel(b, "o"))
 
     def _project_residual(self, g: _Group, inp: torch.Tensor, lora: LoraTerm | None, x: torch.Tensor,
-                          w: torch.Tensor) -> torch.Tensor:
+                          w: torch.Tensor, *, norm=None) -> torch.Tensor:  # noqa: ANN001
         """x += group g's projection of inp (bias and LoRA included) in place; returns bf16(x * w),
         the next group's input for _project_norm."""
         from engine.kernels.nvfp4_gemm import matmul_residual
 
-        return matmul_residual(inp, g.prepared, g.bias, lora, x, w)
+        return matmul_residual(inp, g.prepared, g.bias, lora, x, w, norm=norm)
 
     def _project_norm(self, g: _Group, hw: torch.Tensor, x: torch.Tensor, sync: torch.Tensor, epilogue_rows: int):
         """Group g's GEMM of RMSNorm(x) * w given hw = bf16(x * w) (norm mode, nvfp4_gemm.RowNorm):
