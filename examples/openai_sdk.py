@@ -66,7 +66,8 @@ def main() -> int:
     # 2. create a reinforcement fine-tuning job; qerl's options go in extra_body
     options = {"steps": args.steps, "quantization": "nvfp4", "lora": {"r": 8},
                "aqn": {"enabled": True, "sigma_start": 1e-2, "sigma_end": 5e-4},
-               "rollout": {"num_generations": 4, "max_new_tokens": 16}}
+               "rollout": {"num_generations": 4, "max_new_tokens": 16},
+               "data": {"eval_size": 4}}  # held out of the 12 rows for evaluation (the default is 32)
     options.update(json.loads(args.qerl))
     job = sdk.fine_tuning.jobs.create(
         model=args.model, training_file=file.id, seed=0, suffix="sdk-example",

@@ -36,7 +36,7 @@ def finish_job_with_adapter(db_sessions, settings, job_id: str, tmp_path: Path) 
 
 
 def test_adapter_listing_download_etag_and_models(client, key_a, key_b, db_sessions, api_settings, tmp_path):
-    fid = upload(client, key_a, jsonl(training_rows(2))).json()["id"]
+    fid = upload(client, key_a, jsonl(training_rows(40))).json()["id"]
     job_id = client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=body(fid, suffix="adder")).json()["id"]
     adapter = finish_job_with_adapter(db_sessions, api_settings, job_id, tmp_path)
 

@@ -33,7 +33,7 @@ def test_missing_wrong_and_revoked_keys_are_401(client, key_a, db_sessions):
 
 
 def test_other_projects_objects_are_404(client, key_a, key_b):
-    fid = upload(client, key_a, jsonl(training_rows(2))).json()["id"]
+    fid = upload(client, key_a, jsonl(training_rows(40))).json()["id"]
     job_id = client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=body(fid)).json()["id"]
     for method, path in [("GET", f"/v1/files/{fid}"), ("GET", f"/v1/files/{fid}/content"),
                          ("DELETE", f"/v1/files/{fid}"), ("GET", f"/v1/fine_tuning/jobs/{job_id}"),

@@ -15,7 +15,7 @@ from tests.test_api_jobs import body
 
 
 def make_job(http: httpx.Client, headers: dict | None = None) -> str:
-    fid = http.post("/v1/files", files={"file": ("t.jsonl", jsonl(training_rows(2)))},
+    fid = http.post("/v1/files", files={"file": ("t.jsonl", jsonl(training_rows(40)))},
                     data={"purpose": "fine-tune"}, headers=headers).json()["id"]
     resp = http.post("/v1/fine_tuning/jobs", json=body(fid), headers=headers)
     assert resp.status_code == 200, resp.text

@@ -141,7 +141,7 @@ def test_oversized_upload_413_leaves_nothing(make_client, key_a, db_sessions, ap
 
 
 def test_delete_refused_while_a_job_uses_the_file(client, key_a):
-    f = upload(client, key_a, jsonl(training_rows(2))).json()
+    f = upload(client, key_a, jsonl(training_rows(40))).json()
     job = client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json={
         "model": "smollm2-135m-instruct", "training_file": f["id"],
         "method": {"type": "reinforcement", "reinforcement": {"grader": STRING_CHECK}}})

@@ -27,7 +27,7 @@ def body(file_id: str, **over) -> dict:
 
 @pytest.fixture
 def file_id(client, key_a) -> str:
-    return upload(client, key_a, jsonl(training_rows(10))).json()["id"]
+    return upload(client, key_a, jsonl(training_rows(40))).json()["id"]
 
 
 def job_count(db_sessions, project: str) -> int:
@@ -53,9 +53,9 @@ def test_create_maps_the_request_to_a_train_spec(client, key_a, file_id, db_sess
     spec = TrainSpec.from_dict(job["qerl"]["spec"])  # what the worker will run, valid as stored
     assert spec.quantization == "nf4" and spec.rl.algorithm == "grpo" and spec.lora.r == 8
     assert spec.aqn.enabled is False and spec.prompts_per_step == 4 and spec.rollout.num_generations == 8
-    assert spec.optim.lr == pytest.approx(2e-5) and spec.steps == 5  # ceil(2 epochs * 10 rows / 4)
+    assert spec.optim.lr == pytest.approx(2e-5) and spec.steps == 20  # ceil(2 epochs * 40 rows / 4)
     assert spec.data.train_file == f"files/{file_id}.jsonl" and spec.data.dataset is None
-    assert job["qerl"]["progress"] == {"step": 0, "total_steps": 5} and job["qerl"]["attempt"] == 0
+    assert job["qerl"]["progress"] == {"step": 0, "total_steps": 20} and job["qerl"]["attempt"] == 0
     with db_sessions() as s:
         row = s.get(Job, job["id"])
         assert row.project == key_a.project and row.request["seed"] == 7 and row.spec == job["qerl"]["spec"]
@@ -117,6 +117,27 @@ BAD = [  # (request body or raw bytes, status, param)
     ({"model": MODEL, "qerl": {"dataset": {**RG, "config": {"min_digits": 3, "max_digits": 1}}}}, 422, "qerl.dataset"),
     ({"model": MODEL, "qerl": {"dataset": {**RG, "config": {"seed": 1}}}}, 422, "qerl.dataset"),
 ]
+
+
+def test_a_training_file_no_larger_than_the_eval_set_is_refused_at_create(client, key_a, db_sessions):
+    """Without a validation file, data.eval_size rows are held out of the training file: a file of
+    no more rows is a 422 naming the field (or the hyperparameter that set it), not a job that fails
+    once the worker loads it; with a validation file, or fewer held out, the same file is accepted."""
+    small = upload(client, key_a, jsonl(training_rows(10))).json()["id"]
+    method = {"type": "reinforcement", "reinforcement": {"grader": STRING_CHECK}}
+    err = assert_error(client.post("/v1/fine_tuning/jobs", headers=key_a.headers,
+                                   json=body(small, method=method)), 422, param="qerl.data.eval_size")
+    assert "10 rows" in err["message"] and "validation_file" in err["message"]
+    hyper = {"type": "reinforcement",
+             "reinforcement": {"grader": STRING_CHECK, "hyperparameters": {"eval_samples": 10}}}
+    err = assert_error(client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=body(small, method=hyper)),
+                       422, param="method.reinforcement.hyperparameters.eval_samples")
+    assert err["message"].startswith("method.reinforcement.hyperparameters.eval_samples: data.eval_size=10")
+    assert job_count(db_sessions, key_a.project) == 0
+    for extra in ({"qerl": {"data": {"eval_size": 9}}}, {"validation_file": small}):
+        resp = client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=body(small, method=method, **extra))
+        assert resp.status_code == 200, resp.text
+    assert job_count(db_sessions, key_a.project) == 2
 
 
 @pytest.mark.parametrize("req,status,param", BAD, ids=[f"{i}-{b[1]}-{b[2]}" for i, b in enumerate(BAD)])
@@ -199,7 +220,7 @@ def test_idempotency_key(client, key_a, file_id, db_sessions):
 
 def test_twenty_concurrent_requests_with_one_key_make_one_job(live_server, key_a, db_sessions):
     with httpx.Client(base_url=live_server.url, headers=key_a.headers, timeout=60) as http:
-        fid = http.post("/v1/files", files={"file": ("t.jsonl", jsonl(training_rows(3)))},
+        fid = http.post("/v1/files", files={"file": ("t.jsonl", jsonl(training_rows(40)))},
                         data={"purpose": "fine-tune"}).json()["id"]
         headers = {"Idempotency-Key": f"race-{secrets.token_hex(4)}"}
         with concurrent.futures.ThreadPoolExecutor(20) as pool:

@@ -16,11 +16,11 @@ def sdk(live_server, key_a) -> OpenAI:
 
 
 def test_openai_sdk_round_trip(sdk: OpenAI, key_b, live_server):
-    f = sdk.files.create(file=("train.jsonl", jsonl(training_rows(4))), purpose="fine-tune")
+    f = sdk.files.create(file=("train.jsonl", jsonl(training_rows(40))), purpose="fine-tune")
     assert f.id.startswith("file-") and f.status == "processed" and f.bytes > 0
     assert sdk.files.retrieve(f.id).filename == "train.jsonl"
     assert [x.id for x in sdk.files.list()] == [f.id]
-    assert sdk.files.content(f.id).read() == jsonl(training_rows(4))
+    assert sdk.files.content(f.id).read() == jsonl(training_rows(40))
 
     job = sdk.fine_tuning.jobs.create(
         model=MODEL, training_file=f.id, seed=11, suffix="sdk", metadata={"run": "1"},
@@ -30,7 +30,7 @@ def test_openai_sdk_round_trip(sdk: OpenAI, key_b, live_server):
     assert job.object == "fine_tuning.job" and job.status == "queued" and job.seed == 11
     assert job.method.type == "reinforcement" and job.method.reinforcement.grader.type == "string_check"
     assert job.hyperparameters.batch_size == 2 and job.metadata == {"run": "1"}
-    assert job.model_extra["qerl"]["progress"] == {"step": 0, "total_steps": 2}
+    assert job.model_extra["qerl"]["progress"] == {"step": 0, "total_steps": 20}  # 1 epoch x 40 rows / 2
 
     again = sdk.fine_tuning.jobs.retrieve(job.id)
     assert again.id == job.id and again.created_at == job.created_at and again.training_file == f.id

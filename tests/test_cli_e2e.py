@@ -134,11 +134,16 @@ def test_watch_exits_1_with_the_reason_when_the_job_fails(cli_job: CliJob, qerl_
     from tests._client_server import JOB_SPEC_YAML
 
     (tmp_path / "job.yaml").write_text(JOB_SPEC_YAML)
-    # passes the API's checks, fails in the engine: 8 prompts cannot hold out 32 for evaluation
-    created = qerl_server.qerl("jobs", "create", str(tmp_path / "job.yaml"), "--training-file", cli_job.file_id,
-                               "--set", "qerl.data.eval_size=32", "--json")
+    # passes the API's checks (4 held out of 8 rows), fails in the engine: the 8 rows ask only 2
+    # distinct questions, which cannot hold out 4 for evaluation
+    rows = [{"messages": [{"role": "user", "content": f"Question {i % 2}?"}], "answer": "x"} for i in range(8)]
+    (tmp_path / "dup.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    upload = qerl_server.qerl("files", "upload", str(tmp_path / "dup.jsonl"), "--json")
+    assert upload.returncode == 0, upload.stderr
+    created = qerl_server.qerl("jobs", "create", str(tmp_path / "job.yaml"), "--training-file",
+                               json.loads(upload.stdout)["id"], "--set", "qerl.data.eval_size=4", "--json")
     assert created.returncode == 0, created.stderr
     job_id = json.loads(created.stdout)["id"]
     watch = qerl_server.qerl("jobs", "watch", job_id, "--interval", "0.3", timeout=300)
     assert watch.returncode == 1, (watch.stdout, watch.stderr)
-    assert f"Job {job_id} failed: invalid_dataset: data.eval_size=32" in watch.stdout
+    assert f"Job {job_id} failed: invalid_dataset: data.eval_size=4 holds out all 2 distinct prompts" in watch.stdout

@@ -166,8 +166,8 @@ def test_path_traversal_in_every_id_and_filename(client, key_a, api_settings, tm
 
 # -- SQL-ish strings ---------------------------------------------------------------------------
 def test_sql_ish_strings_in_every_field(client, key_a, key_b, db_sessions):
-    fid = upload(client, key_a, jsonl(training_rows(2))).json()["id"]
-    other = upload(client, key_b, jsonl(training_rows(2))).json()["id"]
+    fid = upload(client, key_a, jsonl(training_rows(40))).json()["id"]
+    other = upload(client, key_b, jsonl(training_rows(40))).json()["id"]
     before = counts(db_sessions)
     made = 0
     for i, evil in enumerate(SQLISH):

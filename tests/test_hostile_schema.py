@@ -55,7 +55,7 @@ def seeded_key(pg_url: str, pg_server: LiveServer) -> Key:
     key = _key(make_sessionmaker(engine), "schemathesis")
     engine.dispose()
     with httpx.Client(base_url=pg_server.url, headers=key.headers, timeout=30) as http:
-        r = http.post("/v1/files", files={"file": ("train.jsonl", jsonl(training_rows(4)))},
+        r = http.post("/v1/files", files={"file": ("train.jsonl", jsonl(training_rows(40)))},
                       data={"purpose": "fine-tune"})
         assert r.status_code == 200, r.text
         body = {"model": "smollm2-135m-instruct", "training_file": r.json()["id"],
