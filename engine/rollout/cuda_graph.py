@@ -296,7 +296,7 @@ class GraphRollout:
             # the task counters of the norm-mode launches (q/k/v and gate/up of each layer) and of
             # o's shrink tasks, zeroed every step that uses them
             self.norm_sync = torch.zeros(cfg.num_layers, 3, dtype=torch.int32, device=self.device)
-        self._small: dict[tuple[int, int], bool] = {}
+        self._small: dict[tuple[int, str, int], bool] = {}
         self._fused_norm_ok = (isinstance(self.ops, CudaOps) and cfg.hidden_size % 16 == 0 and
                                cfg.hidden_size >= FUSED_NORM_MIN_HIDDEN and
                                all(g.mode == "nvfp4" for L in self.layers for g in (L.qkv, L.o, L.gu, L.down)))
