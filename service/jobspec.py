@@ -166,17 +166,15 @@ def build_spec(body: JobCreate, lookup_file: Callable[[str], File | None]) -> tu
     d["seed"] = body.seed if body.seed is not None else secrets.randbelow(2**31)
     try:
         spec = TrainSpec.from_dict(d)
+        if rows is not None and spec.data.validation_file is None and spec.data.eval_size >= rows:
+            raise ValueError(f"data.eval_size={spec.data.eval_size} would hold out every one of the training file's "
+                             f"{rows} rows; lower it below {rows}, upload more rows, or give a validation_file")
     except ValueError as exc:
         match = _FIELD.match(str(exc))
         field = match.group(1).rstrip(".") if match else ""
         if field in came_from:  # set through a hyperparameter: name it, then the spec's words
             raise _invalid(came_from[field], f"{came_from[field]}: {exc}") from None
         raise _invalid(_param_of(str(exc)), str(exc)) from None
-    if rows is not None and spec.data.validation_file is None and spec.data.eval_size >= rows:
-        msg = (f"data.eval_size={spec.data.eval_size} would hold out every one of the training file's {rows} rows; "
-               f"lower it below {rows}, upload more rows, or give a validation_file")
-        hyper = came_from.get("data.eval_size")
-        raise _invalid(hyper or "qerl.data.eval_size", f"{hyper}: {msg}" if hyper else msg)
     if spec.data.dataset is not None:
         try:
             check_dataset(spec.data.dataset)  # the task's name and config: reasoning-gym builds one item
