@@ -15,6 +15,14 @@ up (graphs captured outside the timing) and timed over a rollout of ``--gen`` to
 ``--prompt`` random prompt tokens per row (LoRA r = ``--rank``, random weights in the named
 shape). Printed per batch: each variant's median ms per step over ``--rounds`` runs, and its
 difference from the first in ms per step and us per layer. ``--device cpu`` with ``--shape`` overrides is a functional dry run.
+
+``--kernels name=path`` (repeatable; these variants come first) runs with the NVFP4 kernels built
+from another source of engine/kernels/nvfp4_gemm.cu (its headers copied beside it), so that two
+versions of the kernels compare in one process:
+
+    mkdir -p /tmp/prev && git show HEAD~1:engine/kernels/nvfp4_gemm.cu > /tmp/prev/nvfp4_gemm.cu && \\
+        cp engine/kernels/*.cuh /tmp/prev/
+    python3 benchmarks/decode_ab.py --size 7b --batches 1,8 --kernels prev=/tmp/prev/nvfp4_gemm.cu --variant new:
 """
 from __future__ import annotations
 
@@ -26,9 +34,11 @@ import re
 import statistics
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Iterator
 
 from benchmarks.rollout import run_config, set_lora
+from engine.kernels import _build
 from engine.model.shapes import build_random_model, shape_config
 
 
@@ -81,8 +91,21 @@ def applied(sets: list[tuple[Any, str, Any]]) -> Iterator[None]:
             setattr(obj, attr, value)
 
 
+def kernels_variant(text: str) -> tuple[str, list[tuple[Any, str, Any]]]:
+    """``name=path`` -> a variant whose NVFP4 kernel library is built from the source at path."""
+    name, eq, path = text.partition("=")
+    if not (name and eq and path):
+        raise ValueError(f"--kernels {text!r}: write name=path/to/nvfp4_gemm.cu")
+    lib = _build.load_library(Path(path), f"qerl_nvfp4_{name}", _build.FLAGS, f"NVFP4 kernels from {path}",
+                              _build._SIGNATURES, "qerl_nvfp4_error_string", "nothing")
+    if lib is None:
+        raise ValueError(f"--kernels {text!r}: the source did not build (see the warning above)")
+    return name, [(_build, "library", lambda: lib)]
+
+
 def run(args: argparse.Namespace) -> list[dict]:
-    variants = [parse_variant(v) for v in args.variant] or [("base", [])]
+    variants = ([kernels_variant(k) for k in args.kernels] + [parse_variant(v) for v in args.variant]
+                or [("base", [])])
     overrides = {k: ast.literal_eval(v) for k, v in (x.split("=") for x in args.shape.split(",") if x)}
     cfg = shape_config(args.size, **overrides)
     model = build_random_model(cfg, quantization=args.method, device=args.device)
@@ -124,6 +147,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--variant", action="append", default=[], help="name:module.attr=value,... (repeat)")
+    ap.add_argument("--kernels", action="append", default=[],
+                    help="name=path: a variant with the NVFP4 kernels built from this nvfp4_gemm.cu (repeat)")
     ap.add_argument("--shape", default="", help="shape overrides, e.g. num_layers=2,hidden_size=256")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json", default="")

@@ -40,10 +40,20 @@ def test_bad_variants_name_the_problem(text, message):
         decode_ab.parse_variant(text)
 
 
+@pytest.mark.parametrize(("text", "message"), [
+    ("prev", "write name=path"),
+    ("=engine/kernels/nvfp4_gemm.cu", "write name=path"),
+    ("prev=no/such/nvfp4_gemm.cu", "did not build"),
+])
+def test_bad_kernel_sources_name_the_problem(text, message):
+    with pytest.raises(ValueError, match=message):
+        decode_ab.kernels_variant(text)
+
+
 def test_dry_run_on_cpu_alternates_the_variants():
     args = argparse.Namespace(
         size="7b", method="nvfp4", batches="1,2", rounds=2, rank=4, prompt=6, gen=3, device="cpu",
-        variant=["base:", "qkv1:engine.rollout.cuda_graph.QKV_EPILOGUE_ROWS=1"],
+        variant=["base:", "qkv1:engine.rollout.cuda_graph.QKV_EPILOGUE_ROWS=1"], kernels=[],
         shape="hidden_size=64,num_layers=1,num_heads=2,num_kv_heads=1,head_dim=32,intermediate_size=128,"
               "vocab_size=256")
     before = cg.QKV_EPILOGUE_ROWS

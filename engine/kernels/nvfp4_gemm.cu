@@ -159,31 +159,35 @@ __device__ __forceinline__ float lora_dot(const float* sp, const float* bp, int 
   return d;
 }
 
-// The bf16 bits of output (tk, nn) whose fp32 product (times alpha) is v.
+// The LoRA delta of output (tk, nn): s written by this launch's tasks (norm mode) is read from L2.
 template <int EPI>
-__device__ __forceinline__ uint16_t epilogue(float v, const Epilogue& e, int tk, int nn) {
+__device__ __forceinline__ float lora_delta(const Epilogue& e, int tk, int nn) {
+  const int m = (nn >= e.n1) + (nn >= e.n2);
+  const float* sp = e.s + (size_t)tk * e.ld_s + m * e.r;
+  const float* bp = e.b + nn;
+  return (EPI == 2 && e.ntasks) ? lora_dot<true>(sp, bp, e.ld_b, e.r) : lora_dot<false>(sp, bp, e.ld_b, e.r);
+}
+
+// The bf16 bits of output (tk, nn) whose fp32 product (times alpha) is v; pre: its LoRA delta
+// (lora_delta) computed beforehand, or null.
+template <int EPI>
+__device__ __forceinline__ uint16_t epilogue(float v, const Epilogue& e, int tk, int nn, const float* pre = nullptr) {
   if constexpr (EPI == 2) {
     if (e.ntasks) v *= __ldcg(e.r_out + tk);  // written by this launch's tasks: read from L2
   }
   uint16_t o = to_bf16(v);
   if constexpr (EPI == 0) return o;
   if (e.bias) o = to_bf16(bf16_value(o) + bf16_value(e.bias[nn]));
-  if (e.s) {
-    const int m = (nn >= e.n1) + (nn >= e.n2);
-    const float* sp = e.s + (size_t)tk * e.ld_s + m * e.r;
-    const float* bp = e.b + nn;
-    // s written by this launch's tasks (norm mode) is read from L2
-    const float d = (EPI == 2 && e.ntasks) ? lora_dot<true>(sp, bp, e.ld_b, e.r) : lora_dot<false>(sp, bp, e.ld_b, e.r);
-    o = to_bf16(bf16_value(o) + d);
-  }
+  if (e.s) o = to_bf16(bf16_value(o) + (pre ? *pre : lora_delta<EPI>(e, tk, nn)));
   return o;
 }
 
 // Output (tk, nn) with product v: y = the epilogue's bf16, or in residual mode x += it (y is x)
 // and hw = bf16(x_new * w).
 template <int EPI>
-__device__ __forceinline__ void store(uint16_t* y, int ldy, int tk, int nn, float v, const Epilogue& e) {
-  const uint16_t o = epilogue<EPI>(v, e, tk, nn);
+__device__ __forceinline__ void store(uint16_t* y, int ldy, int tk, int nn, float v, const Epilogue& e,
+                                      const float* pre = nullptr) {
+  const uint16_t o = epilogue<EPI>(v, e, tk, nn, pre);
   uint16_t* p = y + (size_t)tk * ldy + nn;
   if constexpr (EPI == 2) {
     if (e.hw) {
@@ -579,6 +583,22 @@ __global__ void __launch_bounds__(kWarps * 32, MT * TNW == 1 ? 4 : (MT * TNW <= 
   if (splits == 1) {
     if (!owner) return;
     if constexpr (EPI == 2) wait_tasks(ep);
+    // the LoRA deltas of all this lane's outputs first (up to 16 rows; beyond, registers are
+    // short): their loads go out in one round rather than one round per output behind the
+    // previous output's store
+    constexpr bool kEarly = EPI > 0 && MT <= 2;
+    float dl[TNW][MT][4];
+    if constexpr (kEarly) {
+#pragma unroll
+      for (int tn = 0; tn < TNW; ++tn)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int tk = mt * 8 + 2 * t + (i & 1), nn = (nt0 + tn) * 16 + g + 8 * (i >> 1);
+            dl[tn][mt][i] = ep.s && tk < M && nn < N ? lora_delta<EPI>(ep, tk, nn) : 0.f;
+          }
+    }
 #pragma unroll
     for (int tn = 0; tn < TNW; ++tn)
 #pragma unroll
@@ -587,7 +607,8 @@ __global__ void __launch_bounds__(kWarps * 32, MT * TNW == 1 ? 4 : (MT * TNW <= 
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int tk = tok + (i & 1), nn = n + 8 * (i >> 1);
-          if (tk < M && nn < N) store<EPI>(y, ldy, tk, nn, acc[0][tn][mt][i] * alpha, ep);
+          if (tk < M && nn < N)
+            store<EPI>(y, ldy, tk, nn, acc[0][tn][mt][i] * alpha, ep, kEarly ? &dl[tn][mt][i] : nullptr);
         }
       }
     return;
