@@ -28,26 +28,19 @@ def test_variants_set_module_and_class_attributes_and_put_them_back():
     assert [(a, v) for _, a, v in sets] == [("name", ("a", "b")), ("QKV_EPILOGUE_ROWS", 2)]
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    (":engine.rollout.cuda_graph.QKV_EPILOGUE_ROWS=3", "give it a name"),
-    ("v:engine.rollout.cuda_graph.QKV_EPILOGUE_ROWS", "is not path=value"),
-    ("v:engine.rollout.cuda_graph.QKV_EPILOGUE_ROWS=eight", "is not a Python literal"),
-    ("v:engine.rollout.cuda_graph.NO_SUCH_KNOB=1", "has no attribute 'NO_SUCH_KNOB'"),
-    ("v:nosuchpackage.knob=1", "no importable module"),
+@pytest.mark.parametrize(("parse", "text", "message"), [
+    (decode_ab.parse_variant, ":engine.rollout.cuda_graph.QKV_EPILOGUE_ROWS=3", "give it a name"),
+    (decode_ab.parse_variant, "v:engine.rollout.cuda_graph.QKV_EPILOGUE_ROWS", "is not path=value"),
+    (decode_ab.parse_variant, "v:engine.rollout.cuda_graph.QKV_EPILOGUE_ROWS=eight", "is not a Python literal"),
+    (decode_ab.parse_variant, "v:engine.rollout.cuda_graph.NO_SUCH_KNOB=1", "has no attribute 'NO_SUCH_KNOB'"),
+    (decode_ab.parse_variant, "v:nosuchpackage.knob=1", "no importable module"),
+    (decode_ab.kernels_variant, "prev", "write name=path"),  # --kernels
+    (decode_ab.kernels_variant, "=engine/kernels/nvfp4_gemm.cu", "write name=path"),
+    (decode_ab.kernels_variant, "prev=no/such/nvfp4_gemm.cu", "did not build"),
 ])
-def test_bad_variants_name_the_problem(text, message):
+def test_bad_variants_name_the_problem(parse, text, message):
     with pytest.raises(ValueError, match=message):
-        decode_ab.parse_variant(text)
-
-
-@pytest.mark.parametrize(("text", "message"), [
-    ("prev", "write name=path"),
-    ("=engine/kernels/nvfp4_gemm.cu", "write name=path"),
-    ("prev=no/such/nvfp4_gemm.cu", "did not build"),
-])
-def test_bad_kernel_sources_name_the_problem(text, message):
-    with pytest.raises(ValueError, match=message):
-        decode_ab.kernels_variant(text)
+        parse(text)
 
 
 def test_dry_run_on_cpu_alternates_the_variants():
