@@ -96,8 +96,7 @@ def kernels_variant(text: str) -> tuple[str, list[tuple[Any, str, Any]]]:
     name, eq, path = text.partition("=")
     if not (name and eq and path):
         raise ValueError(f"--kernels {text!r}: write name=path/to/nvfp4_gemm.cu")
-    lib = _build.load_library(Path(path), f"qerl_nvfp4_{name}", _build.FLAGS, f"NVFP4 kernels from {path}",
-                              _build._SIGNATURES, "qerl_nvfp4_error_string", "nothing")
+    lib = _build.library_from(Path(path), f"qerl_nvfp4_{name}", f"NVFP4 kernels from {path}", "nothing")
     if lib is None:
         raise ValueError(f"--kernels {text!r}: the source did not build (see the warning above)")
     return name, [(_build, "library", lambda: lib)]

@@ -114,11 +114,17 @@ def load_library(source: Path, stem: str, flags: list[str], what: str, signature
     return lib
 
 
+def library_from(source: Path, stem: str = "qerl_nvfp4", what: str = "NVFP4 CUDA kernels",
+                 fallback: str = "the torch reference") -> ctypes.CDLL | None:
+    """The NVFP4 kernels built from ``source`` (this package's nvfp4_gemm.cu or another version of
+    it, its headers beside it) and loaded, or None (with one warning) when they cannot be."""
+    return load_library(source, stem, FLAGS, what, _SIGNATURES, "qerl_nvfp4_error_string", fallback)
+
+
 @lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
     """The loaded NVFP4 kernels, or None (with one warning) when they cannot be built here."""
-    return load_library(SOURCE, "qerl_nvfp4", FLAGS, "NVFP4 CUDA kernels", _SIGNATURES, "qerl_nvfp4_error_string",
-                        "the torch reference")
+    return library_from(SOURCE)
 
 
 def check(lib: ctypes.CDLL, err: int, what: str) -> None:
