@@ -135,6 +135,26 @@ def test_kernel_files_build_and_export_their_entry_points(tmp_path, monkeypatch)
         assert sorted(tmp_path.glob(f"kernels/{source.stem}_*.so"))
 
 
+@pytest.mark.skipif(__import__("engine.kernels._build", fromlist=["_nvcc"])._nvcc() is None, reason="needs nvcc")
+def test_read_patterns_benchmark_builds(tmp_path):
+    """benchmarks/read_patterns.cu, a standalone GPU program (no torch), builds for sm_90a with its
+    header's command, and its per-chunk work is the small kernel's unpack (the same mask)."""
+    import subprocess
+    from pathlib import Path
+
+    from engine.kernels import _build
+
+    src = Path(__file__).resolve().parent.parent / "benchmarks" / "read_patterns.cu"
+    out = tmp_path / "read_patterns"
+    done = subprocess.run([_build._nvcc(), "-O3", "-std=c++17", "-arch=sm_90a", "-o", str(out), str(src)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert out.stat().st_size > 0
+    kernel = (Path(kernels.__file__).parent / "nvfp4_gemm.cu").read_text()
+    for line in ("constexpr uint32_t kMask = 0x81C081C0u;", "rotr(q, 14) & 0x00400040u) | (rotr(q, 6) & 0x81808180u)"):
+        assert line in kernel and line in src.read_text(), line
+
+
 def test_small_kernel_launch_rule_by_layer_kind(monkeypatch):
     """The launch rule on an H200's 132 SMs, as (8-row tiles, tiles per warp, K splits, groups per
     slice, warps per tile): narrow layers spread each tile's K over the eight warps of a block,
