@@ -12,7 +12,11 @@
 //   interleaved, so that warps at the same step read adjacent chunks.
 // - mma: seg plus the small kernel's per-chunk work on the loaded words: per 32-bit word the
 //   unpack (rotate + and), four bf16x2 scale multiplies and one m16n8k16 MMA, two accumulator
-//   chains (no activation, scale or epilogue loads).
+//   chains (no activation, scale or epilogue loads). mul1 / mul2: the same bits, with two / three
+//   of the unpack's four rotations each done as a 64-bit multiply (q * 2^(32-k): high
+//   word q >> k, low word q << (32 - k), one IMAD.WIDE on the FMA-heavy pipe) whose halves one LOP3
+//   ORs and masks, moving work off the ALU pipe (LOP3 and SHF), the busiest one in the mma rows.
+//   Each such row checks its block sums against the plain mma row's, bit for bit.
 // Build and run on the GPU machine (no torch needed):
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/read_patterns benchmarks/read_patterns.cu && /tmp/read_patterns
 #include <cuda_runtime.h>
@@ -60,6 +64,44 @@ __device__ __forceinline__ void mma(float (&c)[4], uint32_t a0, uint32_t a1, uin
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// (a | b) & c and (a & c) | b in one LOP3 each.
+__device__ __forceinline__ uint32_t or_and(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xA8;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEC;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+// rotr(q, k) & mask through one 64-bit multiply by p = 2^(32 - k) (a kernel argument, so that
+// the compiler keeps the multiply): high word q >> k, low word q << (32 - k).
+__device__ __forceinline__ uint32_t rot_and_mul(uint32_t q, uint32_t p, uint32_t mask) {
+  const uint64_t w = (uint64_t)q * p;
+  return or_and((uint32_t)(w >> 32), (uint32_t)w, mask);
+}
+
+// The small kernel's unpack8 (engine/kernels/nvfp4_gemm.cu), U = 0, and the same bits with
+// U = 1: rotr(q, 4) and the rotr(q, 6) part of r3 by multiplies (p4 = 2^28, p6 = 2^26);
+// U = 2: rotr(q, 10) too (p10 = 2^22).
+template <int U>
+__device__ __forceinline__ void unpack8(uint32_t q, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3,
+                                        uint32_t p4, uint32_t p6, uint32_t p10) {
+  r0 = q & kMask;
+  if constexpr (U == 0) {
+    r1 = rotr(q, 4) & kMask;
+    r2 = rotr(q, 10) & kMask;
+    r3 = (rotr(q, 14) & 0x00400040u) | (rotr(q, 6) & 0x81808180u);
+  } else {
+    r1 = rot_and_mul(q, p4, kMask);
+    r2 = U == 2 ? rot_and_mul(q, p10, kMask) : rotr(q, 10) & kMask;
+    r3 = and_or(rotr(q, 14), rot_and_mul(q, p6, 0x81808180u), 0x00400040u);
+  }
+}
+
 __device__ __forceinline__ uint32_t word(const int4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
 
 template <int U>
@@ -87,11 +129,13 @@ __device__ __forceinline__ const int4* chunk_at(const int4* p, int w, int c, int
   return p + idx * 32 + lane;
 }
 
-// seg (MMA = false) and mma (MMA = true) rows; MINB only names the variant (occupancy is set by
-// the launch's dynamic shared memory).
-template <int TNW, int D, int MINB, bool MMA>
+// seg (MMA = false) and mma (MMA = true, unpack U) rows; MINB only names the variant (occupancy
+// is set by the launch's dynamic shared memory). Each block's sum of its first warp's
+// accumulators goes to sums_out[block] (the check between unpack variants).
+template <int TNW, int D, int MINB, bool MMA, int U = 0>
 __global__ void __launch_bounds__(256, MINB) segments(const int4* __restrict__ p, int nseg, int chunks, int il,
-                                                      int* out, uint32_t scale, uint32_t xb) {
+                                                      int* out, float* sums_out, uint32_t scale, uint32_t xb,
+                                                      uint32_t p4, uint32_t p6, uint32_t p10) {
   const int lane = threadIdx.x & 31;
   const int w0 = (blockIdx.x * 8 + (threadIdx.x >> 5)) * TNW;
   if (w0 >= nseg) return;
@@ -112,9 +156,8 @@ __global__ void __launch_bounds__(256, MINB) segments(const int4* __restrict__ p
         if constexpr (MMA) {
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
-            const uint32_t q = word(v, j);
-            const uint32_t r0 = q & kMask, r1 = rotr(q, 4) & kMask, r2 = rotr(q, 10) & kMask;
-            const uint32_t r3 = (rotr(q, 14) & 0x00400040u) | (rotr(q, 6) & 0x81808180u);
+            uint32_t r0, r1, r2, r3;
+            unpack8<U>(word(v, j), r0, r1, r2, r3, p4, p6, p10);
             mma(sums[j & 1][t], bmul2(r0, scale), bmul2(r1, scale), bmul2(r2, scale), bmul2(r3, scale), xb,
                 xb ^ 0x1000u);
           }
@@ -130,7 +173,9 @@ __global__ void __launch_bounds__(256, MINB) segments(const int4* __restrict__ p
   for (int a = 0; a < 2; ++a)
 #pragma unroll
     for (int t = 0; t < TNW; ++t) s += sums[a][t][0] + sums[a][t][1] + sums[a][t][2] + sums[a][t][3];
-  if (acc == 0x12345 || s == 1.2345f) out[0] = 1;  // keeps the work
+  if (acc == 0x12345) out[0] = 1;  // keeps the loads
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);  // every lane's unpack counts
+  if (MMA && threadIdx.x == 0) sums_out[blockIdx.x] = s;
 }
 
 __global__ void fill(int4* p, size_t n) {
@@ -147,15 +192,17 @@ int main() {
   const int nbuf = 10;
   int4* buf;
   int* out;
+  float* sums;
   CK(cudaMalloc(&buf, per * nbuf));
   CK(cudaMalloc(&out, 4));
+  CK(cudaMalloc(&sums, 1 << 20));
   fill<<<1024, 256>>>(buf, per * nbuf / 16);
   CK(cudaDeviceSynchronize());
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
   double best = 0.0;  // the coalesced rows' best TB/s
-  auto timeit = [&](auto launch, const char* name, size_t bytes) {
+  auto timeit = [&](auto launch, const char* name, size_t bytes, const char* note) {
     for (int i = 0; i < 3; ++i) launch(buf + (i % nbuf) * (per / 16));
     CK(cudaDeviceSynchronize());
     std::vector<float> ts;
@@ -172,32 +219,50 @@ int main() {
     std::sort(ts.begin(), ts.end());
     const double ms = ts[ts.size() / 2], tbs = bytes / (ms * 1e-3) / 1e12;
     best = std::max(best, name[0] == 'c' ? tbs : 0.0);
-    printf("%-40s %8.1f us  %6.2f TB/s  %5.2fx of coalesced\n", name, ms * 1e3, tbs, tbs / best);
+    printf("%-44s %8.1f us  %6.2f TB/s  %5.2fx of coalesced  %s\n", name, ms * 1e3, tbs, tbs / best, note);
   };
   int sms;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const size_t n = per / 16;
-  timeit([&](const int4* p) { coalesced<4><<<sms * 8, 256>>>(p, n, out); }, "coalesced U=4, 8 blocks/SM", per);
-  timeit([&](const int4* p) { coalesced<8><<<sms * 8, 256>>>(p, n, out); }, "coalesced U=8, 8 blocks/SM", per);
+  timeit([&](const int4* p) { coalesced<4><<<sms * 8, 256>>>(p, n, out); }, "coalesced U=4, 8 blocks/SM", per, "");
+  timeit([&](const int4* p) { coalesced<8><<<sms * 8, 256>>>(p, n, out); }, "coalesced U=8, 8 blocks/SM", per, "");
   const int chunks = 90, nseg = (int)(per / (512ull * chunks));
+  const uint32_t p4 = 1u << 28, p6 = 1u << 26, p10 = 1u << 22;
+  std::vector<float> ref, got;  // block sums of the plain unpack and of a variant, on buffer 0
   char name[64];
-#define QERL_ROW(KIND, MMA, TNW, D, MINB)                                                                     \
-  {                                                                                                            \
-    const int smem = (227 * 1024) / MINB - 2048; /* at most MINB blocks per SM */                             \
-    CK(cudaFuncSetAttribute(segments<TNW, D, MINB, MMA>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)); \
-    snprintf(name, sizeof name, "%s tnw=%d D=%d blocks/SM=%d il=%d", KIND, TNW, D, MINB, il);                 \
-    timeit([&](const int4* p) {                                                                                \
-      segments<TNW, D, MINB, MMA><<<(nseg / TNW + 7) / 8, 256, smem>>>(p, nseg, chunks, il, out, 0x3f803f80u,  \
-                                                                      0x3c003c00u);                          \
-    }, name, (size_t)nseg * chunks * 512);                                                                     \
+  const char* note = "";
+#define QERL_ROW(KIND, MMA, U, TNW, D, MINB)                                                                     \
+  {                                                                                                               \
+    const int smem = (227 * 1024) / MINB - 2048; /* at most MINB blocks per SM */                                \
+    auto* fn = segments<TNW, D, MINB, MMA, U>;                                                                   \
+    CK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));                            \
+    const int blocks = (nseg / TNW + 7) / 8;                                                                      \
+    auto launch = [&](const int4* p) {                                                                            \
+      fn<<<blocks, 256, smem>>>(p, nseg, chunks, il, out, sums, 0x3f803f80u, 0x3c003c00u, p4, p6, p10);         \
+    };                                                                                                            \
+    note = "";                                                                                                    \
+    if (MMA) {                                                                                                    \
+      launch(buf);                                                                                                \
+      CK(cudaDeviceSynchronize());                                                                                \
+      got.assign(blocks, 0.f);                                                                                    \
+      CK(cudaMemcpy(got.data(), sums, blocks * sizeof(float), cudaMemcpyDeviceToHost));                          \
+      if (U == 0) ref = got;                                                                                      \
+      else note = ref == got ? "same bits as mma" : "BLOCK SUMS DIFFER FROM mma";                                \
+    }                                                                                                             \
+    snprintf(name, sizeof name, "%s tnw=%d D=%d blocks/SM=%d il=%d", KIND, TNW, D, MINB, il);                    \
+    timeit(launch, name, (size_t)nseg * chunks * 512, note);                                                      \
   }
   for (int il : {0, 1}) {
-    QERL_ROW("mma", true, 1, 4, 3) QERL_ROW("mma", true, 1, 4, 4) QERL_ROW("mma", true, 2, 2, 3)
-    QERL_ROW("mma", true, 2, 4, 3) QERL_ROW("mma", true, 1, 8, 3) QERL_ROW("mma", true, 1, 4, 2)
+    QERL_ROW("mma", true, 0, 1, 4, 3) QERL_ROW("mma", true, 0, 1, 4, 4) QERL_ROW("mma", true, 0, 2, 2, 3)
+    QERL_ROW("mma", true, 0, 2, 4, 3) QERL_ROW("mma", true, 0, 1, 8, 3) QERL_ROW("mma", true, 0, 1, 4, 2)
+  }
+  for (int il : {0}) {  // the unpack variants against the plain one (same tnw, D, blocks/SM: ref)
+    QERL_ROW("mma", true, 0, 1, 4, 3) QERL_ROW("mma mul1", true, 1, 1, 4, 3) QERL_ROW("mma mul2", true, 2, 1, 4, 3)
+    QERL_ROW("mma", true, 0, 2, 2, 3) QERL_ROW("mma mul1", true, 1, 2, 2, 3) QERL_ROW("mma mul2", true, 2, 2, 2, 3)
   }
   for (int il : {0, 1}) {
-    QERL_ROW("seg", false, 1, 4, 3) QERL_ROW("seg", false, 2, 2, 3) QERL_ROW("seg", false, 1, 4, 4)
-    QERL_ROW("seg", false, 2, 4, 3)
+    QERL_ROW("seg", false, 0, 1, 4, 3) QERL_ROW("seg", false, 0, 2, 2, 3) QERL_ROW("seg", false, 0, 1, 4, 4)
+    QERL_ROW("seg", false, 0, 2, 4, 3)
   }
 #undef QERL_ROW
   return 0;

@@ -150,9 +150,31 @@ def test_read_patterns_benchmark_builds(tmp_path):
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert out.stat().st_size > 0
-    kernel = (Path(kernels.__file__).parent / "nvfp4_gemm.cu").read_text()
+    kernel, text = (Path(kernels.__file__).parent / "nvfp4_gemm.cu").read_text(), src.read_text()
     for line in ("constexpr uint32_t kMask = 0x81C081C0u;", "rotr(q, 14) & 0x00400040u) | (rotr(q, 6) & 0x81808180u)"):
-        assert line in kernel and line in src.read_text(), line
+        assert line in kernel and line in text, line
+
+    # its mul rows' unpack: the LOP3 tables it uses and the multiply form of a rotation give the
+    # plain unpack's bits (emulated here; the GPU run compares the rows' block sums too)
+    def lop3(a: int, b: int, c: int, lut: int) -> int:
+        return sum(((lut >> (((a >> i) & 1) << 2 | ((b >> i) & 1) << 1 | (c >> i) & 1)) & 1) << i for i in range(32))
+
+    luts = {name: int(text.split(f"uint32_t {name}(")[1].split("lop3.b32 %0, %1, %2, %3, ")[1][:4], 16)
+            for name in ("or_and", "and_or")}
+
+    def rot(q: int, k: int) -> int:
+        return (q >> k | q << (32 - k)) & 0xFFFFFFFF
+
+    def rot_and_mul(q: int, k: int, mask: int) -> int:
+        w = q << (32 - k)  # q * 2^(32 - k): high word q >> k, low word q << (32 - k)
+        return lop3(w >> 32, w & 0xFFFFFFFF, mask, luts["or_and"])
+
+    gen = torch.Generator().manual_seed(5)
+    for q in [0, 0xFFFFFFFF, 1, 0x80000000] + torch.randint(0, 2**32, (200,), generator=gen).tolist():
+        r3 = rot(q, 14) & 0x00400040 | rot(q, 6) & 0x81808180
+        assert rot_and_mul(q, 4, 0x81C081C0) == rot(q, 4) & 0x81C081C0
+        assert rot_and_mul(q, 10, 0x81C081C0) == rot(q, 10) & 0x81C081C0
+        assert lop3(rot(q, 14), rot_and_mul(q, 6, 0x81808180), 0x00400040, luts["and_or"]) == r3
 
 
 def test_small_kernel_launch_rule_by_layer_kind(monkeypatch):
