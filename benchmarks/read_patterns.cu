@@ -27,6 +27,9 @@
 #include <cstdlib>
 #include <vector>
 
+#include "../engine/kernels/mma.cuh"           // the kernels' MMA and word()
+#include "../engine/kernels/nvfp4_unpack.cuh"  // their weight loads and unpack
+
 #define CK(x)                                                             \
   do {                                                                    \
     cudaError_t e = (x);                                                  \
@@ -38,31 +41,12 @@
 
 namespace {
 
-constexpr uint32_t kMask = 0x81C081C0u;  // engine/kernels/nvfp4_gemm.cu's unpack mask
-
-__device__ __forceinline__ int4 ld_stream(const int4* p) {
-  int4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p));
-  return r;
-}
-
-__device__ __forceinline__ uint32_t rotr(uint32_t x, int s) { return __funnelshift_r(x, x, s); }
-
-__device__ __forceinline__ uint32_t bmul2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-
-__device__ __forceinline__ void mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                    uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+using qerl::bmul2;
+using qerl::kMask;
+using qerl::ld_stream;
+using qerl::mma_m16n8k16_bf16;
+using qerl::rotr;
+using qerl::word;
 
 // (a | b) & c and (a & c) | b in one LOP3 each.
 __device__ __forceinline__ uint32_t or_and(uint32_t a, uint32_t b, uint32_t c) {
@@ -84,25 +68,20 @@ __device__ __forceinline__ uint32_t rot_and_mul(uint32_t q, uint32_t p, uint32_t
   return or_and((uint32_t)(w >> 32), (uint32_t)w, mask);
 }
 
-// The small kernel's unpack8 (engine/kernels/nvfp4_gemm.cu), U = 0, and the same bits with
-// U = 1: rotr(q, 4) and the rotr(q, 6) part of r3 by multiplies (p4 = 2^28, p6 = 2^26);
-// U = 2: rotr(q, 10) too (p10 = 2^22).
+// The kernels' unpack8, U = 0, and the same bits with U = 1: rotr(q, 4) and the rotr(q, 6) part
+// of r3 by multiplies (p4 = 2^28, p6 = 2^26); U = 2: rotr(q, 10) too (p10 = 2^22).
 template <int U>
-__device__ __forceinline__ void unpack8(uint32_t q, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3,
-                                        uint32_t p4, uint32_t p6, uint32_t p10) {
-  r0 = q & kMask;
+__device__ __forceinline__ void unpack8_as(uint32_t q, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3,
+                                           uint32_t p4, uint32_t p6, uint32_t p10) {
   if constexpr (U == 0) {
-    r1 = rotr(q, 4) & kMask;
-    r2 = rotr(q, 10) & kMask;
-    r3 = (rotr(q, 14) & 0x00400040u) | (rotr(q, 6) & 0x81808180u);
+    qerl::unpack8(q, r0, r1, r2, r3);
   } else {
+    r0 = q & kMask;
     r1 = rot_and_mul(q, p4, kMask);
     r2 = U == 2 ? rot_and_mul(q, p10, kMask) : rotr(q, 10) & kMask;
     r3 = and_or(rotr(q, 14), rot_and_mul(q, p6, 0x81808180u), 0x00400040u);
   }
 }
-
-__device__ __forceinline__ uint32_t word(const int4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
 
 template <int U>
 __global__ void __launch_bounds__(256) coalesced(const int4* __restrict__ p, size_t n, int* out) {
@@ -157,9 +136,9 @@ __global__ void __launch_bounds__(256, MINB) segments(const int4* __restrict__ p
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
             uint32_t r0, r1, r2, r3;
-            unpack8<U>(word(v, j), r0, r1, r2, r3, p4, p6, p10);
-            mma(sums[j & 1][t], bmul2(r0, scale), bmul2(r1, scale), bmul2(r2, scale), bmul2(r3, scale), xb,
-                xb ^ 0x1000u);
+            unpack8_as<U>(word(v, j), r0, r1, r2, r3, p4, p6, p10);
+            mma_m16n8k16_bf16(sums[j & 1][t], bmul2(r0, scale), bmul2(r1, scale), bmul2(r2, scale),
+                              bmul2(r3, scale), xb, xb ^ 0x1000u);
           }
         } else {
           acc ^= v.x ^ v.y ^ v.z ^ v.w;

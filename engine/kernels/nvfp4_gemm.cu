@@ -9,7 +9,7 @@
 // way for weights and activations), so each lane's activation fragments are 32 contiguous bytes
 // of X and its 32 weights share two scales.
 //
-// Dequantization: 8 codes of a 32-bit word become 4 bf16x2 with an and/rotate each; the three
+// Dequantization (nvfp4_unpack.cuh): 8 codes of a 32-bit word become 4 bf16x2 with an and/rotate each; the three
 // code bits land on bf16 bits 6..8, which is the e2m1 value times 2^-126 (e=0 codes become bf16
 // subnormals). One bf16x2 multiply by (scale * 2^119), built from a scale byte with one integer
 // multiply-add, gives e2m1 * scale * 2^-7 exactly. The epilogue multiplies the fp32 sums by
@@ -48,33 +48,19 @@
 #include <cstdint>
 
 #include "mma.cuh"
+#include "nvfp4_unpack.cuh"
 #include "pdl.cuh"
 
 namespace {
 
-constexpr uint32_t kMask = 0x81C081C0u;       // bf16 sign bit 15 and bits 6..8, both halves
 constexpr uint32_t kScaleBias = 0x76807680u;  // exponent 237 in both halves
 constexpr int kWarps = 8;
 
-__device__ __forceinline__ uint32_t rotr(uint32_t x, int s) { return __funnelshift_r(x, x, s); }
-
+using qerl::bmul2;
+using qerl::ld_stream;
 using qerl::pdl_wait_then_release;
+using qerl::unpack8;
 using qerl::word;
-
-// 8 codes -> 4 bf16x2 holding e2m1 * 2^-126 (exact).
-__device__ __forceinline__ void unpack8(uint32_t q, uint32_t& r0, uint32_t& r1, uint32_t& r2,
-                                        uint32_t& r3) {
-  r0 = q & kMask;
-  r1 = rotr(q, 4) & kMask;
-  r2 = rotr(q, 10) & kMask;
-  r3 = (rotr(q, 14) & 0x00400040u) | (rotr(q, 6) & 0x81808180u);
-}
-
-__device__ __forceinline__ uint32_t bmul2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
 
 // A scale byte (e5m3, bias 9) broadcast to bf16x2 (scale * 2^119): byte * 16 + exponent 237.
 __device__ __forceinline__ uint32_t scale_pair(uint32_t s16, uint32_t sel) {
@@ -87,14 +73,6 @@ __device__ __forceinline__ void chunk_scales(const int2& sc, int c, uint32_t& sg
   const uint32_t sel = (c & 1) ? 0x4242u : 0x4040u;
   sg = scale_pair(sw, sel);
   sg8 = scale_pair(sw, sel + 0x0101u);
-}
-
-__device__ __forceinline__ int4 ld_stream(const int4* p) {
-  int4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p));
-  return r;
 }
 
 __device__ __forceinline__ int4 ld_x(const uint16_t* p) {
