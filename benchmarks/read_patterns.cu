@@ -131,6 +131,7 @@ __global__ void __launch_bounds__(256, MINB) segments(const int4* __restrict__ p
     for (int d = 0; d < D; ++d) {
 #pragma unroll
       for (int t = 0; t < TNW; ++t) {
+        if (c + d >= chunks) break;  // past the last chunk (chunks not a multiple of D)
         const int4 v = ring[d][t];
         if constexpr (MMA) {
 #pragma unroll
