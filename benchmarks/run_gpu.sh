@@ -7,7 +7,7 @@
 # Usage (repository root, on the GPU machine): OUT=dir BUDGET=540 [STAGES="tests rollout"] bash benchmarks/run_gpu.sh
 set -u
 OUT=${OUT:-out}; BUDGET=${BUDGET:-540}; mkdir -p "$OUT"
-STAGES=${STAGES:-"tests rollout rollout1024 bigbatch rank64 hf attention gemm rlstep"}
+STAGES=${STAGES:-"tests rollout rollout1024 bigbatch rank64 hf attention gemm patterns rlstep"}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 QERL_CACHE_DIR=${QERL_CACHE_DIR:-$PWD/.gpucache}
 left() { echo $((BUDGET - SECONDS)); }
 wanted() { [[ " $STAGES " == *" $1 "* ]]; }
@@ -35,6 +35,8 @@ stage hf 150 python3 benchmarks/rollout.py --sizes 7b --methods hf --batches 1,8
   --json "$OUT/hf.json"
 stage attention 90 python3 benchmarks/decode_attention.py --json "$OUT/attention.json"
 stage gemm 200 python3 benchmarks/gemm_nvfp4.py --json "$OUT/gemm.json"
+stage patterns 90 bash -c 'b=$(mktemp -d)/read_patterns; nvcc -O3 -std=c++17 -arch=sm_90a -o "$b" \
+  benchmarks/read_patterns.cu && "$b"'
 stage rlstep 300 bash -c 'python3 benchmarks/rl_step.py --deadline $DEADLINE --sizes 32b,72b --methods nvfp4 \
   --gen 1024 --json '"$OUT"'/rl_step.json'
 echo "elapsed ${SECONDS}s"
