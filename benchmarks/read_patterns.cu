@@ -2,21 +2,24 @@
 // its per-chunk work, against a plain coalesced read of the same bytes: what bounds
 // engine/kernels/nvfp4_gemm.cu's M = 1 launches (the pattern, or the work done per chunk).
 //
-// Each launch reads 160 MB (32B gate_up is 159 MB in NVFP4), launches rotate through 1.6 GB so
-// that L2 holds none of it; median of 7 timings of 20 launches (CUDA events). Rows:
+// Each launch reads about 160 MB (32B gate_up is 159 MB in NVFP4), launches rotate through 1.6 GB
+// so that L2 holds none of it; median of 7 timings of 20 launches (CUDA events). Rows:
 // - coalesced: the grid reads the buffer with 16-byte loads, U loads in flight per thread.
-// - seg: each warp streams its own tnw contiguous segments of `chunks` 512-byte chunks (16
-//   bytes a lane, the small kernel's record stream: 32B gate_up has 20 records of 2304 bytes,
-//   90 chunks, per weight tile), D chunks in flight per segment; resident blocks per SM capped
-//   by dynamic shared memory (the real kernel holds 3 at 80 registers); il = 1: the segments
-//   interleaved, so that warps at the same step read adjacent chunks.
+// - seg: each warp streams its own tnw contiguous segments of 512-byte chunks (16 bytes a lane,
+//   the small kernel's record stream: 32B gate_up has 20 records of 2304 bytes, 90 chunks, per
+//   weight tile), D chunks in flight per segment; blocks per SM capped by dynamic shared memory
+//   (the real kernel holds 3 at 80 registers). One wave: every SM holds its blocks/SM blocks and
+//   every warp one group of tnw segments, as long as 160 MB allows (the row's chunk count), so no
+//   SM idles in a partial last wave. il = 1: the segments interleaved, so that warps at the same
+//   step read adjacent chunks.
 // - mma: seg plus the small kernel's per-chunk work on the loaded words: per 32-bit word the
 //   unpack (rotate + and), four bf16x2 scale multiplies and one m16n8k16 MMA, two accumulator
 //   chains (no activation, scale or epilogue loads). mul1 / mul2: the same bits, with two / three
 //   of the unpack's four rotations each done as a 64-bit multiply (q * 2^(32-k): high
 //   word q >> k, low word q << (32 - k), one IMAD.WIDE on the FMA-heavy pipe) whose halves one LOP3
-//   ORs and masks, moving work off the ALU pipe (LOP3 and SHF), the busiest one in the mma rows.
-//   Each such row checks its block sums against the plain mma row's, bit for bit.
+//   ORs and masks, moving work off the ALU pipe (LOP3 and SHF). Each such row checks its block
+//   sums against the plain mma row's, bit for bit. "no scale multiplies", "no unpack" and "mma
+//   alone" take the work apart (the raw word stands in for what is left out).
 // Build and run on the GPU machine (no torch needed):
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/read_patterns benchmarks/read_patterns.cu && /tmp/read_patterns
 #include <cuda_runtime.h>
@@ -108,43 +111,59 @@ __device__ __forceinline__ const int4* chunk_at(const int4* p, int w, int c, int
   return p + idx * 32 + lane;
 }
 
-// seg (MMA = false) and mma (MMA = true, unpack U) rows; MINB only names the variant (occupancy
-// is set by the launch's dynamic shared memory). Each block's sum of its first warp's
+// seg (MMA = false) and mma (MMA = true) rows; MINB only names the variant (occupancy is set by
+// the launch's dynamic shared memory, and the grid is MINB blocks per SM, each warp taking
+// groups of TNW segments in turn: no partial last wave). U picks the per-word work: 0 the
+// kernels' (unpack, four scale multiplies, MMA), 1 / 2 the mul1 / mul2 unpacks with the same
+// bits; 20 without the scale multiplies, 21 without the unpack (the multiplies take the raw
+// word), 22 the MMA alone (the raw word as its operand). Each block's sum of its first warp's
 // accumulators goes to sums_out[block] (the check between unpack variants).
 template <int TNW, int D, int MINB, bool MMA, int U = 0>
 __global__ void __launch_bounds__(256, MINB) segments(const int4* __restrict__ p, int nseg, int chunks, int il,
                                                       int* out, float* sums_out, uint32_t scale, uint32_t xb,
                                                       uint32_t p4, uint32_t p6, uint32_t p10) {
   const int lane = threadIdx.x & 31;
-  const int w0 = (blockIdx.x * 8 + (threadIdx.x >> 5)) * TNW;
-  if (w0 >= nseg) return;
-  int4 ring[D][TNW];
-#pragma unroll
-  for (int d = 0; d < D; ++d)
-#pragma unroll
-    for (int t = 0; t < TNW; ++t)
-      ring[d][t] = d < chunks ? ld_stream(chunk_at(p, w0 + t, d, nseg, chunks, il, lane)) : make_int4(0, 0, 0, 0);
   int acc = 0;
   float sums[2][TNW][4] = {};
-  for (int c = 0; c < chunks; c += D) {
+  for (int w0 = (blockIdx.x * 8 + (threadIdx.x >> 5)) * TNW; w0 < nseg; w0 += gridDim.x * 8 * TNW) {
+    int4 ring[D][TNW];
 #pragma unroll
-    for (int d = 0; d < D; ++d) {
+    for (int d = 0; d < D; ++d)
 #pragma unroll
-      for (int t = 0; t < TNW; ++t) {
-        if (c + d >= chunks) break;  // past the last chunk (chunks not a multiple of D)
-        const int4 v = ring[d][t];
-        if constexpr (MMA) {
+      for (int t = 0; t < TNW; ++t)
+        ring[d][t] = d < chunks ? ld_stream(chunk_at(p, w0 + t, d, nseg, chunks, il, lane)) : make_int4(0, 0, 0, 0);
+    for (int c = 0; c < chunks; c += D) {
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            uint32_t r0, r1, r2, r3;
-            unpack8_as<U>(word(v, j), r0, r1, r2, r3, p4, p6, p10);
-            mma_m16n8k16_bf16(sums[j & 1][t], bmul2(r0, scale), bmul2(r1, scale), bmul2(r2, scale),
-                              bmul2(r3, scale), xb, xb ^ 0x1000u);
+      for (int d = 0; d < D; ++d) {
+#pragma unroll
+        for (int t = 0; t < TNW; ++t) {
+          if (c + d >= chunks) break;  // past the last chunk (chunks not a multiple of D)
+          const int4 v = ring[d][t];
+          if constexpr (MMA) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const uint32_t q = word(v, j);
+              uint32_t r0, r1, r2, r3;
+              if constexpr (U < 20) {
+                unpack8_as<U>(q, r0, r1, r2, r3, p4, p6, p10);
+              } else {
+                r0 = r1 = r2 = r3 = q;
+              }
+              if constexpr (U == 20 || U == 22) {
+                mma_m16n8k16_bf16(sums[j & 1][t], r0, r1, r2, r3, xb, xb ^ 0x1000u);
+              } else if constexpr (U == 21) {  // four different multipliers: four multiplies
+                mma_m16n8k16_bf16(sums[j & 1][t], bmul2(r0, scale), bmul2(r1, scale + 1), bmul2(r2, scale + 2),
+                                  bmul2(r3, scale + 3), xb, xb ^ 0x1000u);
+              } else {
+                mma_m16n8k16_bf16(sums[j & 1][t], bmul2(r0, scale), bmul2(r1, scale), bmul2(r2, scale),
+                                  bmul2(r3, scale), xb, xb ^ 0x1000u);
+              }
+            }
+          } else {
+            acc ^= v.x ^ v.y ^ v.z ^ v.w;
           }
-        } else {
-          acc ^= v.x ^ v.y ^ v.z ^ v.w;
+          if (c + d + D < chunks) ring[d][t] = ld_stream(chunk_at(p, w0 + t, c + d + D, nseg, chunks, il, lane));
         }
-        if (c + d + D < chunks) ring[d][t] = ld_stream(chunk_at(p, w0 + t, c + d + D, nseg, chunks, il, lane));
       }
     }
   }
@@ -199,24 +218,24 @@ int main() {
     std::sort(ts.begin(), ts.end());
     const double ms = ts[ts.size() / 2], tbs = bytes / (ms * 1e-3) / 1e12;
     best = std::max(best, name[0] == 'c' ? tbs : 0.0);
-    printf("%-44s %8.1f us  %6.2f TB/s  %5.2fx of coalesced  %s\n", name, ms * 1e3, tbs, tbs / best, note);
+    printf("%-62s %8.1f us  %6.2f TB/s  %5.2fx of coalesced  %s\n", name, ms * 1e3, tbs, tbs / best, note);
   };
   int sms;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const size_t n = per / 16;
   timeit([&](const int4* p) { coalesced<4><<<sms * 8, 256>>>(p, n, out); }, "coalesced U=4, 8 blocks/SM", per, "");
   timeit([&](const int4* p) { coalesced<8><<<sms * 8, 256>>>(p, n, out); }, "coalesced U=8, 8 blocks/SM", per, "");
-  const int chunks = 90, nseg = (int)(per / (512ull * chunks));
   const uint32_t p4 = 1u << 28, p6 = 1u << 26, p10 = 1u << 22;
   std::vector<float> ref, got;  // block sums of the plain unpack and of a variant, on buffer 0
-  char name[64];
+  char name[96];
   const char* note = "";
 #define QERL_ROW(KIND, MMA, U, TNW, D, MINB)                                                                     \
   {                                                                                                               \
     const int smem = (227 * 1024) / MINB - 2048; /* at most MINB blocks per SM */                                \
     auto* fn = segments<TNW, D, MINB, MMA, U>;                                                                   \
     CK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));                            \
-    const int blocks = (nseg / TNW + 7) / 8;                                                                      \
+    /* one wave: MINB blocks on every SM, each warp one group of TNW segments of equal length */                \
+    const int blocks = sms * MINB, nseg = blocks * 8 * TNW, chunks = (int)(per / (512ull * nseg));              \
     auto launch = [&](const int4* p) {                                                                            \
       fn<<<blocks, 256, smem>>>(p, nseg, chunks, il, out, sums, 0x3f803f80u, 0x3c003c00u, p4, p6, p10);         \
     };                                                                                                            \
@@ -227,9 +246,9 @@ int main() {
       got.assign(blocks, 0.f);                                                                                    \
       CK(cudaMemcpy(got.data(), sums, blocks * sizeof(float), cudaMemcpyDeviceToHost));                          \
       if (U == 0) ref = got;                                                                                      \
-      else note = ref == got ? "same bits as mma" : "BLOCK SUMS DIFFER FROM mma";                                \
+      else if (U < 20) note = ref == got ? "same bits as mma" : "BLOCK SUMS DIFFER FROM mma";                  \
     }                                                                                                             \
-    snprintf(name, sizeof name, "%s tnw=%d D=%d blocks/SM=%d il=%d", KIND, TNW, D, MINB, il);                    \
+    snprintf(name, sizeof name, "%s tnw=%d D=%d blocks/SM=%d il=%d (%d chunks)", KIND, TNW, D, MINB, il, chunks); \
     timeit(launch, name, (size_t)nseg * chunks * 512, note);                                                      \
   }
   for (int il : {0, 1}) {
@@ -239,6 +258,12 @@ int main() {
   for (int il : {0}) {  // the unpack variants against the plain one (same tnw, D, blocks/SM: ref)
     QERL_ROW("mma", true, 0, 1, 4, 3) QERL_ROW("mma mul1", true, 1, 1, 4, 3) QERL_ROW("mma mul2", true, 2, 1, 4, 3)
     QERL_ROW("mma", true, 0, 2, 2, 3) QERL_ROW("mma mul1", true, 1, 2, 2, 3) QERL_ROW("mma mul2", true, 2, 2, 2, 3)
+    QERL_ROW("mma", true, 0, 1, 4, 4) QERL_ROW("mma mul1", true, 1, 1, 4, 4) QERL_ROW("mma mul2", true, 2, 1, 4, 4)
+  }
+  for (int il : {0}) {  // the per-word work taken apart
+    QERL_ROW("mma, no scale multiplies", true, 20, 1, 4, 3) QERL_ROW("mma, no unpack", true, 21, 1, 4, 3)
+    QERL_ROW("mma alone", true, 22, 1, 4, 3) QERL_ROW("mma, no scale multiplies", true, 20, 2, 2, 3)
+    QERL_ROW("mma, no unpack", true, 21, 2, 2, 3) QERL_ROW("mma alone", true, 22, 2, 2, 3)
   }
   for (int il : {0, 1}) {
     QERL_ROW("seg", false, 0, 1, 4, 3) QERL_ROW("seg", false, 0, 2, 2, 3) QERL_ROW("seg", false, 0, 1, 4, 4)

@@ -85,6 +85,38 @@ def test_cpu_engine_matches_eager_sampled_and_refreshes_lora():
             n.noise = n.noise.flip(0)
 
 
+def test_refresh_copies_the_live_weights_exactly():
+    """refresh (batched copies) leaves each group's A rows, its B^T * scaling columns (zero for a
+    disabled adapter), and each norm's weight + noise exactly as copying them one by one."""
+    from engine.lora import LoRALinear
+
+    m = _model("bf16", dtype=torch.bfloat16)
+    eng = GraphRollout(m, max_batch=2, max_len=16)
+    eng.refresh()  # k_proj's block is non-zero now; disabled, the next refresh must clear it
+    m.model.layers[1].self_attn.k_proj.disabled = True
+    with torch.no_grad():
+        for p in adapter_params(m):
+            p.add_(0.25)
+    eng.refresh()
+    norms = [(L.norm_in, L.w_in) for L in eng.layers] + [(L.norm_post, L.w_post) for L in eng.layers]
+    for norm, w in norms + [(m.model.norm, eng.w_final)]:
+        want = norm.weight.float() + norm.noise if getattr(norm, "noise", None) is not None else norm.weight.float()
+        assert torch.equal(w, want)
+    checked = 0
+    for L in eng.layers:
+        for g in (L.qkv, L.o, L.gu, L.down):
+            n0 = 0
+            for i, (mem, s) in enumerate(zip(g.members, g.sizes)):
+                assert isinstance(mem, LoRALinear)
+                r = mem.lora_A.shape[0]
+                assert torch.equal(g.a_cat[i * g.r:i * g.r + r], mem.lora_A.float())
+                want = torch.zeros(r, s) if mem.disabled else (mem.lora_B.t() * mem.scaling).float()
+                assert torch.equal(g.b_pack[:r, n0:n0 + s], want)
+                n0 += s
+                checked += 1
+    assert checked == 2 * 7
+
+
 def test_cpu_engine_cancel_and_length_checks():
     m = _model("bf16", lora=False)
     tok = NumberTokenizer()

@@ -492,6 +492,15 @@ def _mm(x2: torch.Tensor, p: PreparedNVFP4) -> torch.Tensor:
     return (x2.float() @ w.t() * p.alpha_value).to(x2.dtype)
 
 
+def matmul_2d(x2: torch.Tensor, p: PreparedNVFP4) -> torch.Tensor:
+    """x2 (M, K) @ W^T -> (M, N) by the path nvfp4_matmul takes, called directly: for callers
+    outside autograd and torch.compile (the rollout engine), where the custom op's dispatch (tens
+    of microseconds a call on the host) adds up in an eager prefill of ~100 projections."""
+    if x2.dim() != 2 or x2.shape[1] != p.k:
+        raise ValueError(f"matmul_2d takes (M, {p.k}) inputs, got {tuple(x2.shape)}")
+    return _mm(x2, p)
+
+
 def _mm_t(dy2: torch.Tensor, p: PreparedNVFP4) -> torch.Tensor:
     if available(dy2):
         return _scaled_mm(dy2, _weights(p, dy2), p.alpha_value)

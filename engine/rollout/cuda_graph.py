@@ -95,6 +95,36 @@ def _bucket(n: int, cap: int) -> int:
     return min(cap, 1 << max(0, (n - 1).bit_length()))
 
 
+@dataclass
+class _Refresh:
+    """The copies of one refresh, run as a few foreach ops instead of one launch (and one Python
+    round) per tensor: the same values as copying each (B^T * scaling is taken in B's dtype, as
+    the per-tensor copy did; norm weights are added to their noise in fp32)."""
+
+    a_dst: list = field(default_factory=list)
+    a_src: list = field(default_factory=list)
+    b_dst: list = field(default_factory=list)
+    b_src: list = field(default_factory=list)
+    b_scale: list = field(default_factory=list)
+    zero: list = field(default_factory=list)
+    w_dst: list = field(default_factory=list)
+    w_src: list = field(default_factory=list)
+    noise_dst: list = field(default_factory=list)
+    noise: list = field(default_factory=list)
+
+    def run(self) -> None:
+        if self.a_dst:
+            torch._foreach_copy_(self.a_dst, self.a_src)
+        if self.b_dst:
+            torch._foreach_copy_(self.b_dst, torch._foreach_mul(self.b_src, self.b_scale))
+        if self.zero:
+            torch._foreach_zero_(self.zero)
+        if self.w_dst:
+            torch._foreach_copy_(self.w_dst, self.w_src)
+        if self.noise_dst:
+            torch._foreach_add_(self.noise_dst, self.noise)
+
+
 class _Group:
     """One fused projection of one layer: base GEMM (no bias) + bias + LoRA delta."""
 
@@ -180,27 +210,37 @@ class _Group:
             row += s
         self.weight, self.mode = w, "dense"
 
-    def refresh(self) -> None:
-        """Copy the live LoRA weights (scaling folded into B; a disabled adapter adds 0)."""
+    def refresh_lists(self, out: _Refresh) -> None:
+        """Add the copies that bring the live LoRA weights in to ``out`` (scaling folded into B; a
+        disabled adapter adds 0), to run batched with every other group's (``_Refresh.run``)."""
         if not self.lora:
             return
         n0 = 0
         for i, (m, r, s) in enumerate(zip(self.loras, self.ranks, self.sizes)):
             if m is not None:
-                self.a_cat[i * self.r:i * self.r + r].copy_(m.lora_A)
+                out.a_dst.append(self.a_cat[i * self.r:i * self.r + r])
+                out.a_src.append(m.lora_A)
                 blk = self.b_pack[:r, n0:n0 + s]
                 if m.disabled:
-                    blk.zero_()
+                    out.zero.append(blk)
                 else:
-                    blk.copy_(m.lora_B.t() * m.scaling)
+                    out.b_dst.append(blk)
+                    out.b_src.append(m.lora_B.t())
+                    out.b_scale.append(m.scaling)
             n0 += s
+
+    def refresh(self) -> None:
+        """Copy the live LoRA weights (scaling folded into B; a disabled adapter adds 0)."""
+        r = _Refresh()
+        self.refresh_lists(r)
+        r.run()
 
     def base(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, K) -> (B, N) without bias."""
         if self.mode == "nvfp4":
-            from engine.kernels import nvfp4_matmul
+            from engine.kernels.nvfp4_gemm import matmul_2d
 
-            return nvfp4_matmul(x, self.prepared)
+            return matmul_2d(x, self.prepared)
         if self.mode == "dense":
             return torch.matmul(x, self.weight.t())
         return torch.cat([b._matmul(x) for b in self.bases], dim=-1)
@@ -305,20 +345,24 @@ class GraphRollout:
         self.stats = RolloutStats(ops=self.ops.name, attention=self.attention.name, graphs=self.use_graphs)
 
     # -- refresh per call: LoRA weights, norm weights + AQN noise ----------------------------
-    def _norm_weight(self, norm: nn.Module, out: torch.Tensor) -> None:
-        w = norm.weight.float()
+    @staticmethod
+    def _norm_weight(norm: nn.Module, out: torch.Tensor, r: _Refresh) -> None:
+        r.w_dst.append(out)
+        r.w_src.append(norm.weight)
         if getattr(norm, "noise", None) is not None:
-            w = w + norm.noise
-        out.copy_(w)
+            r.noise_dst.append(out)
+            r.noise.append(norm.noise)
 
     def refresh(self) -> None:
+        r = _Refresh()
+        for L in self.layers:
+            self._norm_weight(L.norm_in, L.w_in, r)
+            self._norm_weight(L.norm_post, L.w_post, r)
+            for g in (L.qkv, L.o, L.gu, L.down):
+                g.refresh_lists(r)
+        self._norm_weight(self.model.model.norm, self.w_final, r)
         with torch.no_grad():
-            for L in self.layers:
-                self._norm_weight(L.norm_in, L.w_in)
-                self._norm_weight(L.norm_post, L.w_post)
-                for g in (L.qkv, L.o, L.gu, L.down):
-                    g.refresh()
-            self._norm_weight(self.model.model.norm, self.w_final)
+            r.run()
 
     def _cos_sin(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE cos and sin (rows, D) in the model dtype for positions (rows,), as the model computes
