@@ -116,13 +116,16 @@ __device__ __forceinline__ const int4* chunk_at(const int4* p, int w, int c, int
 // groups of TNW segments in turn: no partial last wave). U picks the per-word work: 0 the
 // kernels' (unpack, four scale multiplies, MMA), 1 / 2 the mul1 / mul2 unpacks with the same
 // bits; 20 without the scale multiplies, 21 without the unpack (the multiplies take the raw
-// word), 22 the MMA alone (the raw word as its operand). Each block's sum of its first warp's
+// word), 22 the MMA alone (the raw word as its operand); 30 the scales applied to fp32 sums
+// once per scale group of a chunk instead of to the weights (timing only: the same products,
+// summed in another order). Each block's sum of its first warp's
 // accumulators goes to sums_out[block] (the check between unpack variants).
 template <int TNW, int D, int MINB, bool MMA, int U = 0>
 __global__ void __launch_bounds__(256, MINB) segments(const int4* __restrict__ p, int nseg, int chunks, int il,
                                                       int* out, float* sums_out, uint32_t scale, uint32_t xb,
                                                       uint32_t p4, uint32_t p6, uint32_t p10) {
   const int lane = threadIdx.x & 31;
+  const uint32_t xm = ((lane >> 2) == (lane & 3)) ? xb : 0u;  // U = 30: lane (g, t) gives group t's inputs to column g
   int acc = 0;
   float sums[2][TNW][4] = {};
   for (int w0 = (blockIdx.x * 8 + (threadIdx.x >> 5)) * TNW; w0 < nseg; w0 += gridDim.x * 8 * TNW) {
@@ -139,7 +142,28 @@ __global__ void __launch_bounds__(256, MINB) segments(const int4* __restrict__ p
         for (int t = 0; t < TNW; ++t) {
           if (c + d >= chunks) break;  // past the last chunk (chunks not a multiple of D)
           const int4 v = ring[d][t];
-          if constexpr (MMA) {
+          if constexpr (MMA && U == 30) {
+            // scales on the sums: the chunk's four k16 steps accumulate per scale group into the
+            // MMA's columns (activations masked per group: only lanes g == t give theirs), then
+            // each lane adds its four (row, group) sums times their fp32 scales, made from one
+            // word of four scale bytes (the chunk's first word stands in for it here)
+            float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              uint32_t r0, r1, r2, r3;
+              qerl::unpack8(word(v, j), r0, r1, r2, r3);
+              mma_m16n8k16_bf16(d, r0, r1, r2, r3, xm, xm ^ 0x1000u);
+            }
+            const uint32_t sw = word(v, 0);
+            const float s0 = __uint_as_float(((sw << 20) & 0x07F00000u) | 0x40000000u);
+            const float s1 = __uint_as_float(((sw << 12) & 0x07F00000u) | 0x40000000u);
+            const float s2 = __uint_as_float(((sw << 4) & 0x07F00000u) | 0x40000000u);
+            const float s3 = __uint_as_float(((sw >> 4) & 0x07F00000u) | 0x40000000u);
+            sums[0][t][0] = fmaf(s0, d[0], sums[0][t][0]);
+            sums[0][t][1] = fmaf(s1, d[1], sums[0][t][1]);
+            sums[0][t][2] = fmaf(s2, d[2], sums[0][t][2]);
+            sums[0][t][3] = fmaf(s3, d[3], sums[0][t][3]);
+          } else if constexpr (MMA) {
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
               const uint32_t q = word(v, j);
@@ -259,6 +283,10 @@ int main() {
     QERL_ROW("mma", true, 0, 1, 4, 3) QERL_ROW("mma mul1", true, 1, 1, 4, 3) QERL_ROW("mma mul2", true, 2, 1, 4, 3)
     QERL_ROW("mma", true, 0, 2, 2, 3) QERL_ROW("mma mul1", true, 1, 2, 2, 3) QERL_ROW("mma mul2", true, 2, 2, 2, 3)
     QERL_ROW("mma", true, 0, 1, 4, 4) QERL_ROW("mma mul1", true, 1, 1, 4, 4) QERL_ROW("mma mul2", true, 2, 1, 4, 4)
+  }
+  for (int il : {0}) {  // the scales on the weights (the kernels') against the scales on the sums
+    QERL_ROW("mma", true, 0, 2, 2, 3) QERL_ROW("mma, scales on the sums", true, 30, 2, 2, 3)
+    QERL_ROW("mma", true, 0, 1, 4, 4) QERL_ROW("mma, scales on the sums", true, 30, 1, 4, 4)
   }
   for (int il : {0}) {  // the per-word work taken apart
     QERL_ROW("mma, no scale multiplies", true, 20, 1, 4, 3) QERL_ROW("mma, no unpack", true, 21, 1, 4, 3)
