@@ -170,6 +170,8 @@ __global__ void __launch_bounds__(256, MINB) segments(const int4* __restrict__ p
               uint32_t r0, r1, r2, r3;
               if constexpr (U < 20) {
                 unpack8_as<U>(q, r0, r1, r2, r3, p4, p6, p10);
+              } else if constexpr (U == 20) {
+                unpack8_as<0>(q, r0, r1, r2, r3, p4, p6, p10);
               } else {
                 r0 = r1 = r2 = r3 = q;
               }
