@@ -229,12 +229,6 @@ class _Group:
                     out.b_scale.append(m.scaling)
             n0 += s
 
-    def refresh(self) -> None:
-        """Copy the live LoRA weights (scaling folded into B; a disabled adapter adds 0)."""
-        r = _Refresh()
-        self.refresh_lists(r)
-        r.run()
-
     def base(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, K) -> (B, N) without bias."""
         if self.mode == "nvfp4":
