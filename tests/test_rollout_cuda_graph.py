@@ -169,6 +169,62 @@ def test_engine_prefill_matches_the_model_forward(monkeypatch, device, quantizat
         torch.testing.assert_close(eng.vc[i, :n, :, :t], cache.v[i][:, :, :t], atol=atol, rtol=rtol)
 
 
+class _ReplayOnCpu:
+    """Stands in for a captured prefill graph on CPU: replay runs the engine's eager prefill on
+    the static inputs into the static logits (what a captured graph's replay does)."""
+
+    def __init__(self, eng, ids, mask):
+        self.eng, self.ids, self.mask, self.replays = eng, ids, mask, 0
+        self.logits = eng._prefill(ids, mask)
+
+    def replay(self):
+        self.replays += 1
+        self.logits.copy_(self.eng._prefill(self.ids, self.mask))
+
+
+def test_prefill_graph_rule_second_sighting_and_lru(monkeypatch):
+    """_run_prefill: a small shape runs eagerly the first time and replays its graph from the
+    second time (with that call's tokens); capture=True captures a new shape at once; large
+    shapes never get one; at most PREFILL_GRAPHS shapes are kept, the least recently used go
+    first. The graph is a CPU stand-in here (tests below capture real ones on a GPU)."""
+    from engine.rollout import cuda_graph
+    from engine.rollout.batching import left_pad
+
+    monkeypatch.setattr(cuda_graph, "PREFILL_GRAPHS", 2)
+    monkeypatch.setattr(cuda_graph, "PREFILL_GRAPH_ROWS", 40)
+    m = _model("nvfp4")
+    eng = GraphRollout(m, max_batch=8, max_len=32)
+    eng.use_graphs = True
+    made = []
+
+    def fake_capture(ids, mask, *, warm):
+        g = _ReplayOnCpu(eng, ids.clone(), mask.clone())
+        made.append((tuple(ids.shape), warm, g))
+        return g, g.ids, g.mask, g.logits
+
+    monkeypatch.setattr(eng, "_capture_prefill", fake_capture)
+    eng.refresh()
+    ids, mask = left_pad(_prompts(3), 0)  # (3, 9): 27 rows
+    with torch.no_grad():
+        want = eng._prefill(ids, mask)
+        assert torch.equal(eng._run_prefill(ids, mask), want) and not made  # first time: eager
+        assert torch.equal(eng._run_prefill(ids, mask), want)  # second: captured (no warm-up) and replayed
+        assert [(s, w) for s, w, _ in made] == [((3, 9), False)] and made[0][2].replays == 1
+        other = ids.flip(0)
+        assert torch.equal(eng._run_prefill(other, mask.flip(0)), eng._prefill(other, mask.flip(0)))
+        assert made[0][2].replays == 2 and len(made) == 1  # the same graph with the new tokens
+        big, big_mask = left_pad(_prompts(5), 0)  # (5, 9): 45 rows, over the limit
+        for _ in range(3):
+            eng._run_prefill(big, big_mask)
+        assert len(made) == 1 and list(eng.prefill_graphs) == [(3, 9)]
+        for n in (1, 2):  # capture=True: new shapes at once, with a warm-up
+            eng._run_prefill(ids[:n], mask[:n], capture=True)
+        assert [(s, w) for s, w, _ in made[1:]] == [((1, 9), True), ((2, 9), True)]
+        assert list(eng.prefill_graphs) == [(1, 9), (2, 9)]  # (3, 9) was the least recently used
+        eng._run_prefill(ids, mask)  # seen before: captured again
+        assert len(made) == 4 and list(eng.prefill_graphs) == [(2, 9), (3, 9)]
+
+
 # -- GPU ----------------------------------------------------------------------------------------
 def _fuse_norms(monkeypatch, on: bool, o_tasks: bool | None = None) -> None:
     """Run the residual adds and RMSNorms inside the NVFP4 GEMMs (cuda_graph.FUSED_NORM_ROWS) at any
@@ -260,6 +316,30 @@ def test_gpu_fused_ops_equal_torch_ops():
 
 
 @gpu
+@pytest.mark.parametrize("r", [4, 16, 40])
+def test_gpu_silu_mul_many_rows_equals_row_kernel(r):
+    """SiLU * up with a LoRA term at prefill sizes (16 rows or more: B's columns kept for 16 rows
+    at a time) gives the same bits as the one-row-per-block kernel on slices of under 16 rows, and
+    the torch ops' result within the expand's summation-order tolerance; bias or none, rank not a
+    multiple of 16, rows not a multiple of 16, two members."""
+    from engine.rollout.fused_ops import LoraTerm, TorchOps, pick_ops
+
+    ops = pick_ops(torch.device("cuda"), torch.bfloat16, qk_norm=False, head_dim=128)
+    if ops.name != "cuda":
+        pytest.skip("fused kernels need an sm_90 GPU and nvcc")
+    g = torch.Generator("cuda").manual_seed(r)
+    rows, inter = 45, 1000
+    gu = (torch.randn(rows, 2 * inter, device="cuda", generator=g) * 4).bfloat16()
+    lo = LoraTerm(torch.randn(rows, 2 * r, device="cuda", generator=g),
+                  torch.randn(r, 2 * inter, device="cuda", generator=g) * 0.05, r, inter, 2**31 - 1)
+    for bias in (None, torch.randn(2 * inter, device="cuda", generator=g).bfloat16()):
+        got = ops.silu_mul(gu, bias, lo)
+        parts = [ops.silu_mul(gu[i:i + 9], bias, LoraTerm(lo.s[i:i + 9], lo.b, r, lo.n1, lo.n2)) for i in range(0, rows, 9)]
+        assert torch.equal(got, torch.cat(parts))
+        torch.testing.assert_close(got.float(), TorchOps().silu_mul(gu, bias, lo).float(), atol=1e-2, rtol=8e-3)
+
+
+@gpu
 @pytest.mark.parametrize(("fused_norm", "o_tasks"), [(False, False), (False, True), (True, True)])
 def test_gpu_sampler_logprobs_match_cpu_reference(fused_norm, o_tasks, monkeypatch):
     """The log-probs the graph engine reports for its own tokens = a CPU fp32 forward's, with the
@@ -288,6 +368,44 @@ def test_gpu_sampler_logprobs_match_cpu_reference(fused_norm, o_tasks, monkeypat
     # bf16 tolerance: no worse than the eager GPU decoder's own distance from the fp32 reference
     assert err.mean() <= 2 * eager_err.mean() + 0.02, (err.mean(), eager_err.mean())
     assert err.max() <= 2 * eager_err.max() + 0.1, (err.max(), eager_err.max())
+
+
+@gpu
+@pytest.mark.parametrize("quantization", ["nvfp4", "bf16"])
+def test_gpu_prefill_graph_equals_eager_prefill(quantization):
+    """A replayed prefill graph gives the eager prefill's logits, cache, valid mask and positions,
+    for the prompts it was captured with and for other prompts of the same shape; and a rollout
+    whose prefill replays a graph equals one on an engine without graphs."""
+    from engine.rollout.batching import left_pad
+
+    m = _model(quantization, device="cuda", dtype=torch.bfloat16)
+    eng = GraphRollout(m, max_batch=8, max_len=64)
+    with torch.no_grad():
+        eng.refresh()
+        for prompts in (_prompts(5), _prompts(5)[::-1]):
+            ids, mask = (t.cuda() for t in left_pad(prompts, 0))
+            n, t = ids.shape
+            eng.kc.fill_(float("nan"))
+            want = eng._prefill(ids, mask)
+            kc, vc, valid, pos = eng.kc[:, :n, :, :t].clone(), eng.vc[:, :n, :, :t].clone(), eng.valid.clone(), eng.pos.clone()
+            eng.kc.fill_(float("nan"))
+            eng.valid.zero_()
+            eng.pos.zero_()
+            got = eng._run_prefill(ids, mask, capture=True)
+            assert (n, t) in eng.prefill_graphs
+            torch.testing.assert_close(got, want, atol=2e-3, rtol=0)  # cuBLAS may pick another algorithm under capture
+            torch.testing.assert_close(eng.kc[:, :n, :, :t], kc, atol=2e-3, rtol=0)
+            torch.testing.assert_close(eng.vc[:, :n, :, :t], vc, atol=2e-3, rtol=0)
+            assert torch.equal(eng.valid, valid) and torch.equal(eng.pos, pos) and int(eng.slot) == t
+    tok = NumberTokenizer()
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, eos_token_ids=[10**6])
+    eng.capture(4, 9, 9 + 12, prompts=4)
+    prompts = [p + [7] * (9 - len(p)) for p in _prompts(4)]  # 4 prompts of 9 tokens: the captured shape
+    assert (4, 9) in eng.prefill_graphs
+    got = eng.generate(tok, prompts, params, generator=torch.Generator("cuda").manual_seed(2))
+    want = GraphRollout(m, max_batch=8, max_len=64, use_graphs=False).generate(
+        tok, prompts, params, generator=torch.Generator("cuda").manual_seed(2))
+    _same(got, want, atol=2e-3)
 
 
 def test_fused_shrink_rank_rows_rule(monkeypatch):

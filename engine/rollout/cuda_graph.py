@@ -29,6 +29,8 @@ changes is how a decode token is computed:
 - the prompts are prefilled through the same groups and element-wise ops with one row per prompt
   token (``_prefill``, eager, in chunks of sequences): the same function as the model's forward
   with a cache, in a few launches per layer instead of the eager model's hundred-odd small ops.
+  A small prefill (PREFILL_GRAPH_ROWS), which the host's launches would bound, replays a CUDA
+  graph of its shape from the second time that shape comes.
 - the element-wise work between GEMMs (bias and LoRA epilogues, residual add + RMSNorm,
   RoPE + cache write, SiLU * up) is one fused kernel per group on Hopper (fused_ops.CudaOps), or
   at one row of a wide model (FUSED_NORM_ROWS) the residual adds and RMSNorms run inside the NVFP4
@@ -63,6 +65,12 @@ GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj"
 
 
 PREFILL_ROWS = 8192  # prompt tokens per prefill chunk
+# A prefill of up to this many prompt tokens (rows) is host-bound when run eagerly (7B on H200,
+# one prompt of 256 tokens: 48 ms on the host for 17 ms of kernels); from the second time a
+# (prompts, length) shape comes, it replays a CUDA graph captured for that shape instead (at most
+# PREFILL_GRAPHS shapes are kept, the least recently used dropped first).
+PREFILL_GRAPH_ROWS = 1024
+PREFILL_GRAPHS = 8
 PREFILL_KERNEL_SHRINK_ROWS = 64  # above: the prefill's LoRA shrinks as fp32 matmuls
 _MATMUL_OPS = TorchOps()
 # gate/up's LoRA expand goes into its NVFP4 GEMM's epilogue up to this many rows (the epilogue
@@ -336,6 +344,12 @@ class GraphRollout:
                                all(g.mode == "nvfp4" for L in self.layers for g in (L.qkv, L.o, L.gu, L.down)))
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        # prefill graphs by (prompts, length): (graph, ids, mask, logits), most recently used last;
+        # their own pool, since a prefill's temporaries are much larger than a decode step's
+        self.prefill_graphs: dict[tuple[int, int], tuple] = {}
+        self._prefill_seen: set[tuple[int, int]] = set()
+        self.prefill_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.prefill_graph_error = ""
         self.stats = RolloutStats(ops=self.ops.name, attention=self.attention.name, graphs=self.use_graphs)
 
     # -- refresh per call: LoRA weights, norm weights + AQN noise ----------------------------
@@ -437,6 +451,54 @@ class GraphRollout:
         self.pos[:n].copy_(m.long().sum(dim=1))
         self.slot.fill_(t)
         return torch.cat(out)
+
+    def _run_prefill(self, ids: torch.Tensor, mask: torch.Tensor, *, capture: bool = False) -> torch.Tensor:
+        """``_prefill``, replayed from a CUDA graph for small shapes seen before (PREFILL_GRAPH_ROWS;
+        ``capture``: capture a graph for this shape now even if it is new)."""
+        n, t = ids.shape
+        key = (n, t)
+        if not self.use_graphs or n * t > PREFILL_GRAPH_ROWS or self.prefill_graph_error:
+            return self._prefill(ids, mask)
+        entry = self.prefill_graphs.pop(key, None)
+        if entry is None:
+            if key not in self._prefill_seen and not capture:
+                self._prefill_seen.add(key)  # a shape seen once runs eagerly: no capture for one-off shapes
+                return self._prefill(ids, mask)
+            entry = self._capture_prefill(ids, mask, warm=key not in self._prefill_seen)
+            self._prefill_seen.add(key)
+            if entry is None:
+                return self._prefill(ids, mask)
+        self.prefill_graphs[key] = entry  # most recently used last
+        while len(self.prefill_graphs) > PREFILL_GRAPHS:
+            self.prefill_graphs.pop(next(iter(self.prefill_graphs)))
+        graph, ids_s, mask_s, logits = entry
+        ids_s.copy_(ids)
+        mask_s.copy_(mask)
+        graph.replay()
+        return logits.clone()
+
+    def _capture_prefill(self, ids: torch.Tensor, mask: torch.Tensor, *, warm: bool) -> tuple | None:
+        """(graph, static ids, static mask, logits) of ``_prefill`` for this shape, or None where
+        capture fails (the prefill then stays eager for every shape). Capturing runs nothing."""
+        ids_s, mask_s = ids.clone(), mask.clone()
+        cur = torch.cuda.current_stream(self.device)
+        if warm:  # library handles and workspaces, outside the capture (a shape seen before has them)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(cur)
+            with torch.cuda.stream(side):
+                self._prefill(ids_s, mask_s)
+            cur.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.prefill_pool):
+                logits = self._prefill(ids_s, mask_s)
+        except RuntimeError as exc:
+            log.warning("CUDA graph capture of the prefill failed, prefilling without graphs: %s", exc)
+            self.prefill_graph_error = str(exc)[:500]
+            self.stats.extra["prefill_graph_error"] = self.prefill_graph_error
+            return None
+        self.stats.graphs_captured += 1
+        return graph, ids_s, mask_s, logits
 
     def _prefill_rows(self, ids: torch.Tensor, pos: torch.Tensor, r0: int) -> torch.Tensor:
         from engine.model.decoder import _mask
@@ -559,10 +621,12 @@ class GraphRollout:
             self.stats.graphs_captured += 1
         g.replay()
 
-    def capture(self, b: int, first_slot: int, last_slot: int) -> int:
+    def capture(self, b: int, first_slot: int, last_slot: int, *, prompts: int = 0) -> int:
         """Capture now the graphs a rollout of bucket ``b`` replays for write columns
-        [first_slot, last_slot), so that capturing stays out of timed runs; returns how many
-        were new. Leaves garbage in the cache (the next rollout starts from a clean state)."""
+        [first_slot, last_slot), and with ``prompts`` the prefill graph of that many prompts of
+        first_slot tokens (where PREFILL_GRAPH_ROWS takes it), so that capturing stays out of
+        timed runs; returns how many were new. Leaves garbage in the cache (the next rollout
+        starts from a clean state)."""
         if not self.use_graphs:
             return 0
         lb = self.len_bucket
@@ -570,6 +634,11 @@ class GraphRollout:
         new = 0
         with torch.no_grad():
             self.refresh()
+            key = (prompts, first_slot)
+            if prompts and prompts * first_slot <= PREFILL_GRAPH_ROWS and key not in self.prefill_graphs:
+                ids = torch.ones(key, dtype=torch.long, device=self.device)
+                self._run_prefill(ids, torch.ones_like(ids), capture=True)
+                new += key in self.prefill_graphs
             for s in lengths:
                 if (b, s) not in self.graphs:
                     self.slot.fill_(s - 1)
@@ -608,7 +677,7 @@ class GraphRollout:
         self.pos.zero_()
         self.tok.zero_()
         t0 = _now(dev)
-        logits = self._prefill(ids.to(dev), mask.to(dev))  # (n, V) fp32
+        logits = self._run_prefill(ids.to(dev), mask.to(dev))  # (n, V) fp32
         slot = ids.shape[1]
         t1 = _now(dev)
         self.stats.prefill_s += t1 - t0
