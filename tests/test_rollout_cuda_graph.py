@@ -317,26 +317,36 @@ def test_gpu_fused_ops_equal_torch_ops():
 
 @gpu
 @pytest.mark.parametrize("r", [4, 16, 40])
-def test_gpu_silu_mul_many_rows_equals_row_kernel(r):
-    """SiLU * up with a LoRA term at prefill sizes (16 rows or more: B's columns kept for 16 rows
-    at a time) gives the same bits as the one-row-per-block kernel on slices of under 16 rows, and
-    the torch ops' result within the expand's summation-order tolerance; bias or none, rank not a
-    multiple of 16, rows not a multiple of 16, two members."""
-    from engine.rollout.fused_ops import LoraTerm, TorchOps, pick_ops
+def test_gpu_many_row_expand_equals_row_kernels(r):
+    """The LoRA expand and SiLU * up with a LoRA term at prefill sizes (EXPAND_ROWS rows or more:
+    B's columns kept for 16 rows at a time) give the same bits as the one-row-per-block kernels on
+    slices of fewer rows, and the torch ops' result within the expand's summation-order tolerance;
+    with a bias or none, rank not a multiple of 16, rows not a multiple of 16, two or three members."""
+    from engine.rollout.fused_ops import EXPAND_ROWS, LoraTerm, TorchOps, apply_epilogue, pick_ops
 
     ops = pick_ops(torch.device("cuda"), torch.bfloat16, qk_norm=False, head_dim=128)
     if ops.name != "cuda":
         pytest.skip("fused kernels need an sm_90 GPU and nvcc")
     g = torch.Generator("cuda").manual_seed(r)
-    rows, inter = 45, 1000
-    gu = (torch.randn(rows, 2 * inter, device="cuda", generator=g) * 4).bfloat16()
-    lo = LoraTerm(torch.randn(rows, 2 * r, device="cuda", generator=g),
-                  torch.randn(r, 2 * inter, device="cuda", generator=g) * 0.05, r, inter, 2**31 - 1)
-    for bias in (None, torch.randn(2 * inter, device="cuda", generator=g).bfloat16()):
+    rows, inter, step = 45, 1000, EXPAND_ROWS - 7
+
+    def rnd(*shape):
+        return torch.randn(*shape, device="cuda", generator=g)
+
+    gu = (rnd(rows, 2 * inter) * 4).bfloat16()
+    lo = LoraTerm(rnd(rows, 3 * r), rnd(r, 2 * inter) * 0.05, r, inter, 1500)
+
+    def sliced(fn, x, lora):
+        return torch.cat([fn(x[i:i + step], LoraTerm(lora.s[i:i + step], lora.b, r, lora.n1, lora.n2))
+                          for i in range(0, rows, step)])
+
+    for bias in (None, rnd(2 * inter).bfloat16()):
         got = ops.silu_mul(gu, bias, lo)
-        parts = [ops.silu_mul(gu[i:i + 9], bias, LoraTerm(lo.s[i:i + 9], lo.b, r, lo.n1, lo.n2)) for i in range(0, rows, 9)]
-        assert torch.equal(got, torch.cat(parts))
+        assert torch.equal(got, sliced(lambda x, lt: ops.silu_mul(x, bias, lt), gu, lo))
         torch.testing.assert_close(got.float(), TorchOps().silu_mul(gu, bias, lo).float(), atol=1e-2, rtol=8e-3)
+        got = ops._expand(gu, bias, lo)
+        assert torch.equal(got, sliced(lambda x, lt: ops._expand(x, bias, lt), gu, lo))
+        torch.testing.assert_close(got.float(), apply_epilogue(gu, bias, lo).float(), atol=1e-2, rtol=8e-3)
 
 
 @gpu
