@@ -22,12 +22,14 @@
 //   alone" take the work apart (the raw word stands in for what is left out).
 // Build and run on the GPU machine (no torch needed):
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/read_patterns benchmarks/read_patterns.cu && /tmp/read_patterns
+// (`/tmp/read_patterns shl`: only the left-shift layout's rows against the plain unpack's, twice.)
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "../engine/kernels/mma.cuh"           // the kernels' MMA and word()
@@ -84,6 +86,21 @@ __device__ __forceinline__ void unpack8_as(uint32_t q, uint32_t& r0, uint32_t& r
     r2 = U == 2 ? rot_and_mul(q, p10, kMask) : rotr(q, 10) & kMask;
     r3 = and_or(rotr(q, 14), rot_and_mul(q, p6, 0x81808180u), 0x00400040u);
   }
+}
+
+// Another bit layout (timing only: it decodes the same words to other weights): four shifts, two of
+// them left shifts (the only shifts the FMA-heavy pipe can do, as IMAD.SHL or an IMAD by 2^k) and
+// five LOP3, for the same output masks: r0 = q & M, r1 = (q << 4) & M, r2 = rotr(q, 6) & M,
+// r3 = ((q << 6) & 0x80C080C0) | ((q >> 2) & 0x01000100), whose source bits are a permutation of
+// the word's 32 (M, M - 4, M + 6, and the rest). U = 3 writes the left shifts as shifts (ptxas picks
+// SHF or IMAD.SHL), U = 4 as multiplies by kernel arguments (m16 = 16, m64 = 64: IMAD).
+template <int U>
+__device__ __forceinline__ void unpack8_shl(uint32_t q, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3,
+                                            uint32_t m16, uint32_t m64) {
+  r0 = q & kMask;
+  r1 = (U == 4 ? q * m16 : q << 4) & kMask;
+  r2 = rotr(q, 6) & kMask;
+  r3 = and_or(U == 4 ? q * m64 : q << 6, (q >> 2) & 0x01000100u, 0x80C080C0u);
 }
 
 template <int U>
@@ -168,7 +185,9 @@ __global__ void __launch_bounds__(256, MINB) segments(const int4* __restrict__ p
             for (int j = 0; j < 4; ++j) {
               const uint32_t q = word(v, j);
               uint32_t r0, r1, r2, r3;
-              if constexpr (U < 20) {
+              if constexpr (U == 3 || U == 4) {
+                unpack8_shl<U>(q, r0, r1, r2, r3, p4 >> 24, p6 >> 20);
+              } else if constexpr (U < 20) {
                 unpack8_as<U>(q, r0, r1, r2, r3, p4, p6, p10);
               } else if constexpr (U == 20) {
                 unpack8_as<0>(q, r0, r1, r2, r3, p4, p6, p10);
@@ -212,7 +231,7 @@ __global__ void fill(int4* p, size_t n) {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
   const size_t per = 160ull << 20;  // bytes per launch
   const int nbuf = 10;
   int4* buf;
@@ -272,10 +291,20 @@ int main() {
       got.assign(blocks, 0.f);                                                                                    \
       CK(cudaMemcpy(got.data(), sums, blocks * sizeof(float), cudaMemcpyDeviceToHost));                          \
       if (U == 0) ref = got;                                                                                      \
+      else if (U == 3 || U == 4) note = "another bit layout: timing only";                                     \
       else if (U < 20) note = ref == got ? "same bits as mma" : "BLOCK SUMS DIFFER FROM mma";                  \
     }                                                                                                             \
     snprintf(name, sizeof name, "%s tnw=%d D=%d blocks/SM=%d il=%d (%d chunks)", KIND, TNW, D, MINB, il, chunks); \
     timeit(launch, name, (size_t)nseg * chunks * 512, note);                                                      \
+  }
+  if (argc > 1 && std::string(argv[1]) == "shl") {  // the left-shift layout alone, interleaved with the plain rows
+    const int il = 0;
+    for (int rep = 0; rep < 2; ++rep) {
+      QERL_ROW("mma", true, 0, 2, 2, 3) QERL_ROW("mma shl", true, 3, 2, 2, 3) QERL_ROW("mma shl imad", true, 4, 2, 2, 3)
+      QERL_ROW("mma", true, 0, 1, 4, 4) QERL_ROW("mma shl", true, 3, 1, 4, 4) QERL_ROW("mma shl imad", true, 4, 1, 4, 4)
+      QERL_ROW("mma", true, 0, 1, 4, 3) QERL_ROW("mma shl", true, 3, 1, 4, 3) QERL_ROW("mma shl imad", true, 4, 1, 4, 3)
+    }
+    return 0;
   }
   for (int il : {0, 1}) {
     QERL_ROW("mma", true, 0, 1, 4, 3) QERL_ROW("mma", true, 0, 1, 4, 4) QERL_ROW("mma", true, 0, 2, 2, 3)
