@@ -13,16 +13,18 @@
 //   SM idles in a partial last wave. il = 1: the segments interleaved, so that warps at the same
 //   step read adjacent chunks.
 // - mma: seg plus the small kernel's per-chunk work on the loaded words: per 32-bit word the
-//   unpack (rotate + and), four bf16x2 scale multiplies and one m16n8k16 MMA, two accumulator
-//   chains (no activation, scale or epilogue loads). mul1 / mul2: the same bits, with two / three
-//   of the unpack's four rotations each done as a 64-bit multiply (q * 2^(32-k): high
-//   word q >> k, low word q << (32 - k), one IMAD.WIDE on the FMA-heavy pipe) whose halves one LOP3
-//   ORs and masks, moving work off the ALU pipe (LOP3 and SHF). Each such row checks its block
-//   sums against the plain mma row's, bit for bit. "no scale multiplies", "no unpack" and "mma
-//   alone" take the work apart (the raw word stands in for what is left out).
+//   kernels' unpack (shift + and), four bf16x2 scale multiplies and one m16n8k16 MMA, two
+//   accumulator chains (no activation, scale or epilogue loads). "mma imad": the same bits with
+//   both left shifts as IMADs. "mma rot": the previous layout's unpack (four rotations + and, all
+//   on the ALU pipe; timing only). Its mul1 / mul2 rows: its bits, with two / three of the four
+//   rotations each done as a 64-bit multiply (q * 2^(32-k): high word q >> k, low word
+//   q << (32 - k), one IMAD.WIDE on the FMA-heavy pipe) whose halves one LOP3 ORs and masks. Each
+//   variant row checks its block sums against its layout's plain row, bit for bit. "no scale
+//   multiplies", "no unpack" and "mma alone" take the work apart (the raw word stands in for what
+//   is left out).
 // Build and run on the GPU machine (no torch needed):
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/read_patterns benchmarks/read_patterns.cu && /tmp/read_patterns
-// (`/tmp/read_patterns shl`: only the left-shift layout's rows against the plain unpack's, twice.)
+// (`/tmp/read_patterns layouts`: only the kernels' unpack against the previous layout's, twice.)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -73,34 +75,28 @@ __device__ __forceinline__ uint32_t rot_and_mul(uint32_t q, uint32_t p, uint32_t
   return or_and((uint32_t)(w >> 32), (uint32_t)w, mask);
 }
 
-// The kernels' unpack8, U = 0, and the same bits with U = 1: rotr(q, 4) and the rotr(q, 6) part
-// of r3 by multiplies (p4 = 2^28, p6 = 2^26); U = 2: rotr(q, 10) too (p10 = 2^22).
+// The previous layout's unpack (U = 5: four rotations, all on the ALU pipe; timing only against
+// the kernels', whose layout decodes the same words to other weights), and the same bits with
+// U = 1: rotr(q, 4) and the rotr(q, 6) part of r3 by multiplies (p4 = 2^28, p6 = 2^26); U = 2:
+// rotr(q, 10) too (p10 = 2^22).
 template <int U>
-__device__ __forceinline__ void unpack8_as(uint32_t q, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3,
-                                           uint32_t p4, uint32_t p6, uint32_t p10) {
-  if constexpr (U == 0) {
-    qerl::unpack8(q, r0, r1, r2, r3);
-  } else {
-    r0 = q & kMask;
-    r1 = rot_and_mul(q, p4, kMask);
-    r2 = U == 2 ? rot_and_mul(q, p10, kMask) : rotr(q, 10) & kMask;
-    r3 = and_or(rotr(q, 14), rot_and_mul(q, p6, 0x81808180u), 0x00400040u);
-  }
+__device__ __forceinline__ void unpack8_rot(uint32_t q, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3,
+                                            uint32_t p4, uint32_t p6, uint32_t p10) {
+  r0 = q & kMask;
+  r1 = U == 5 ? rotr(q, 4) & kMask : rot_and_mul(q, p4, kMask);
+  r2 = U == 2 ? rot_and_mul(q, p10, kMask) : rotr(q, 10) & kMask;
+  r3 = U == 5 ? (rotr(q, 14) & 0x00400040u) | (rotr(q, 6) & 0x81808180u)
+              : and_or(rotr(q, 14), rot_and_mul(q, p6, 0x81808180u), 0x00400040u);
 }
 
-// Another bit layout (timing only: it decodes the same words to other weights): four shifts, two of
-// them left shifts (the only shifts the FMA-heavy pipe can do, as IMAD.SHL or an IMAD by 2^k) and
-// five LOP3, for the same output masks: r0 = q & M, r1 = (q << 4) & M, r2 = rotr(q, 6) & M,
-// r3 = ((q << 6) & 0x80C080C0) | ((q >> 2) & 0x01000100), whose source bits are a permutation of
-// the word's 32 (M, M - 4, M + 6, and the rest). U = 3 writes the left shifts as shifts (ptxas picks
-// SHF or IMAD.SHL), U = 4 as multiplies by kernel arguments (m16 = 16, m64 = 64: IMAD).
-template <int U>
-__device__ __forceinline__ void unpack8_shl(uint32_t q, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3,
-                                            uint32_t m16, uint32_t m64) {
+// The kernels' unpack (U = 0) with its two left shifts as multiplies by kernel arguments (U = 4:
+// m16 = 16, m64 = 64), so that every one is an IMAD where ptxas leaves some as SHF: the same bits.
+__device__ __forceinline__ void unpack8_imad(uint32_t q, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3,
+                                             uint32_t m16, uint32_t m64) {
   r0 = q & kMask;
-  r1 = (U == 4 ? q * m16 : q << 4) & kMask;
+  r1 = (q * m16) & kMask;
   r2 = rotr(q, 6) & kMask;
-  r3 = and_or(U == 4 ? q * m64 : q << 6, (q >> 2) & 0x01000100u, 0x80C080C0u);
+  r3 = and_or(q * m64, (q >> 2) & 0x01000100u, 0x80C080C0u);
 }
 
 template <int U>
@@ -185,12 +181,12 @@ __global__ void __launch_bounds__(256, MINB) segments(const int4* __restrict__ p
             for (int j = 0; j < 4; ++j) {
               const uint32_t q = word(v, j);
               uint32_t r0, r1, r2, r3;
-              if constexpr (U == 3 || U == 4) {
-                unpack8_shl<U>(q, r0, r1, r2, r3, p4 >> 24, p6 >> 20);
+              if constexpr (U == 0 || U == 20) {
+                qerl::unpack8(q, r0, r1, r2, r3);
+              } else if constexpr (U == 4) {
+                unpack8_imad(q, r0, r1, r2, r3, p4 >> 24, p6 >> 20);
               } else if constexpr (U < 20) {
-                unpack8_as<U>(q, r0, r1, r2, r3, p4, p6, p10);
-              } else if constexpr (U == 20) {
-                unpack8_as<0>(q, r0, r1, r2, r3, p4, p6, p10);
+                unpack8_rot<U>(q, r0, r1, r2, r3, p4, p6, p10);
               } else {
                 r0 = r1 = r2 = r3 = q;
               }
@@ -271,7 +267,7 @@ int main(int argc, char** argv) {
   timeit([&](const int4* p) { coalesced<4><<<sms * 8, 256>>>(p, n, out); }, "coalesced U=4, 8 blocks/SM", per, "");
   timeit([&](const int4* p) { coalesced<8><<<sms * 8, 256>>>(p, n, out); }, "coalesced U=8, 8 blocks/SM", per, "");
   const uint32_t p4 = 1u << 28, p6 = 1u << 26, p10 = 1u << 22;
-  std::vector<float> ref, got;  // block sums of the plain unpack and of a variant, on buffer 0
+  std::vector<float> ref, ref_rot, got;  // block sums of the kernels' unpack, the previous one's, a variant's (buffer 0)
   char name[96];
   const char* note = "";
 #define QERL_ROW(KIND, MMA, U, TNW, D, MINB)                                                                     \
@@ -291,18 +287,19 @@ int main(int argc, char** argv) {
       got.assign(blocks, 0.f);                                                                                    \
       CK(cudaMemcpy(got.data(), sums, blocks * sizeof(float), cudaMemcpyDeviceToHost));                          \
       if (U == 0) ref = got;                                                                                      \
-      else if (U == 3 || U == 4) note = "another bit layout: timing only";                                     \
-      else if (U < 20) note = ref == got ? "same bits as mma" : "BLOCK SUMS DIFFER FROM mma";                  \
+      else if (U == 5) ref_rot = got, note = "the previous layout: timing only";                                \
+      else if (U == 4) note = ref == got ? "same bits as mma" : "BLOCK SUMS DIFFER FROM mma";                  \
+      else if (U < 20) note = ref_rot == got ? "same bits as mma rot" : "BLOCK SUMS DIFFER FROM mma rot";      \
     }                                                                                                             \
     snprintf(name, sizeof name, "%s tnw=%d D=%d blocks/SM=%d il=%d (%d chunks)", KIND, TNW, D, MINB, il, chunks); \
     timeit(launch, name, (size_t)nseg * chunks * 512, note);                                                      \
   }
-  if (argc > 1 && std::string(argv[1]) == "shl") {  // the left-shift layout alone, interleaved with the plain rows
+  if (argc > 1 && std::string(argv[1]) == "layouts") {  // the kernels' unpack against the previous layout's, twice
     const int il = 0;
     for (int rep = 0; rep < 2; ++rep) {
-      QERL_ROW("mma", true, 0, 2, 2, 3) QERL_ROW("mma shl", true, 3, 2, 2, 3) QERL_ROW("mma shl imad", true, 4, 2, 2, 3)
-      QERL_ROW("mma", true, 0, 1, 4, 4) QERL_ROW("mma shl", true, 3, 1, 4, 4) QERL_ROW("mma shl imad", true, 4, 1, 4, 4)
-      QERL_ROW("mma", true, 0, 1, 4, 3) QERL_ROW("mma shl", true, 3, 1, 4, 3) QERL_ROW("mma shl imad", true, 4, 1, 4, 3)
+      QERL_ROW("mma", true, 0, 2, 2, 3) QERL_ROW("mma rot", true, 5, 2, 2, 3) QERL_ROW("mma imad", true, 4, 2, 2, 3)
+      QERL_ROW("mma", true, 0, 1, 4, 4) QERL_ROW("mma rot", true, 5, 1, 4, 4) QERL_ROW("mma imad", true, 4, 1, 4, 4)
+      QERL_ROW("mma", true, 0, 1, 4, 3) QERL_ROW("mma rot", true, 5, 1, 4, 3) QERL_ROW("mma imad", true, 4, 1, 4, 3)
     }
     return 0;
   }
@@ -310,10 +307,11 @@ int main(int argc, char** argv) {
     QERL_ROW("mma", true, 0, 1, 4, 3) QERL_ROW("mma", true, 0, 1, 4, 4) QERL_ROW("mma", true, 0, 2, 2, 3)
     QERL_ROW("mma", true, 0, 2, 4, 3) QERL_ROW("mma", true, 0, 1, 8, 3) QERL_ROW("mma", true, 0, 1, 4, 2)
   }
-  for (int il : {0}) {  // the unpack variants against the plain one (same tnw, D, blocks/SM: ref)
-    QERL_ROW("mma", true, 0, 1, 4, 3) QERL_ROW("mma mul1", true, 1, 1, 4, 3) QERL_ROW("mma mul2", true, 2, 1, 4, 3)
-    QERL_ROW("mma", true, 0, 2, 2, 3) QERL_ROW("mma mul1", true, 1, 2, 2, 3) QERL_ROW("mma mul2", true, 2, 2, 2, 3)
-    QERL_ROW("mma", true, 0, 1, 4, 4) QERL_ROW("mma mul1", true, 1, 1, 4, 4) QERL_ROW("mma mul2", true, 2, 1, 4, 4)
+  for (int il : {0}) {  // the unpack variants against the plain ones (same tnw, D, blocks/SM: ref, ref_rot)
+    QERL_ROW("mma", true, 0, 1, 4, 3) QERL_ROW("mma imad", true, 4, 1, 4, 3) QERL_ROW("mma rot", true, 5, 1, 4, 3)
+    QERL_ROW("mma rot mul1", true, 1, 1, 4, 3) QERL_ROW("mma rot mul2", true, 2, 1, 4, 3)
+    QERL_ROW("mma", true, 0, 2, 2, 3) QERL_ROW("mma imad", true, 4, 2, 2, 3) QERL_ROW("mma rot", true, 5, 2, 2, 3)
+    QERL_ROW("mma rot mul1", true, 1, 2, 2, 3) QERL_ROW("mma rot mul2", true, 2, 2, 2, 3)
   }
   for (int il : {0}) {  // the scales on the weights (the kernels') against the scales on the sums
     QERL_ROW("mma", true, 0, 2, 2, 3) QERL_ROW("mma, scales on the sums", true, 30, 2, 2, 3)

@@ -171,10 +171,13 @@ def test_read_patterns_benchmark_builds(tmp_path):
 
     gen = torch.Generator().manual_seed(5)
     for q in [0, 0xFFFFFFFF, 1, 0x80000000] + torch.randint(0, 2**32, (200,), generator=gen).tolist():
-        r3 = rot(q, 14) & 0x00400040 | rot(q, 6) & 0x81808180
+        r3 = rot(q, 14) & 0x00400040 | rot(q, 6) & 0x81808180  # the previous layout's ("mma rot")
         assert rot_and_mul(q, 4, 0x81C081C0) == rot(q, 4) & 0x81C081C0
         assert rot_and_mul(q, 10, 0x81C081C0) == rot(q, 10) & 0x81C081C0
         assert lop3(rot(q, 14), rot_and_mul(q, 6, 0x81808180), 0x00400040, luts["and_or"]) == r3
+        # "mma imad": the kernels' r3 with the left shift as a multiply, through the and_or LOP3
+        r3 = (q << 6) & 0x80C080C0 | (q >> 2) & 0x01000100
+        assert lop3((q * 64) & 0xFFFFFFFF, (q >> 2) & 0x01000100, 0x80C080C0, luts["and_or"]) == r3
 
 
 def test_small_kernel_launch_rule_by_layer_kind(monkeypatch):

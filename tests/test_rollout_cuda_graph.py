@@ -409,6 +409,7 @@ def test_gpu_prefill_graph_equals_eager_prefill(quantization):
             assert torch.equal(eng.valid, valid) and torch.equal(eng.pos, pos) and int(eng.slot) == t
     tok = NumberTokenizer()
     params = SamplingParams(max_new_tokens=12, temperature=1.0, eos_token_ids=[10**6])
+    eng = GraphRollout(m, max_batch=8, max_len=64)  # a fresh cache (the one above holds NaN past the prompts)
     eng.capture(4, 9, 9 + 12, prompts=4)
     prompts = [p + [7] * (9 - len(p)) for p in _prompts(4)]  # 4 prompts of 9 tokens: the captured shape
     assert (4, 9) in eng.prefill_graphs

@@ -9,9 +9,9 @@
 // way for weights and activations), so each lane's activation fragments are 32 contiguous bytes
 // of X and its 32 weights share two scales.
 //
-// Dequantization (nvfp4_unpack.cuh): 8 codes of a 32-bit word become 4 bf16x2 with an and/rotate
-// each; the three code bits land on bf16 bits 6..8, which is the e2m1 value times 2^-126 (e=0
-// codes become bf16 subnormals). One bf16x2 multiply by (scale * 2^119), built from a scale byte
+// Dequantization (nvfp4_unpack.cuh): 8 codes of a 32-bit word become 4 bf16x2 with a shift and an
+// and each (one of them two); the three code bits land on bf16 bits 6..8, which is the e2m1 value
+// times 2^-126 (e=0 codes become bf16 subnormals). One bf16x2 multiply by (scale * 2^119), built from a scale byte
 // with one integer multiply-add, gives e2m1 * scale * 2^-7 exactly. The epilogue multiplies the
 // fp32 sums by alpha = 2^7 / global_scale.
 //

@@ -14,10 +14,11 @@ chunk). Within a chunk:
   four bf16 pairs R0 = (row g, 4j..4j+1), R1 = (row g+8, same), R2 = (row g, 4j+2..4j+3),
   R3 = (row g+8, same): the A fragment of an m16n8k16 MMA once the MMA's inputs are permuted
   inside the chunk (the kernel reads activations with the same permutation).
-- The 4-bit code of each element is spread so that one and/rotate gives a bf16 pair: the sign
-  lands on bit 15, the three magnitude bits on bits 6..8 of each half, i.e. the e2m1 value times
-  2^-126. ``_SOURCE`` says which bit of the word feeds each output bit (rotations 0, 4, 10 for
-  R0..R2; R3 takes bits 6/22 from a rotation by 14 and the rest from a rotation by 6).
+- The 4-bit code of each element is spread so that a shift and an and give a bf16 pair: the
+  sign lands on bit 15, the three magnitude bits on bits 6..8 of each half, i.e. the e2m1 value
+  times 2^-126. ``_SOURCE`` says which bit of the word feeds each output bit: R0 = q & mask,
+  R1 = (q << 4) & mask, R2 = rotr(q, 6) & mask, R3 = ((q << 6) & 0x80C080C0) | ((q >> 2) &
+  0x01000100) (two left shifts, which the GPU can run off its integer ALU pipe).
 - scales: lane (g, t)'s two scales, row g in the low byte, row g+8 in the
   high one, as an e5m3 byte (bias 9) that covers every e4m3 value including subnormals: byte*16 +
   (237 << 7) is the bf16 of scale * 2^119 (one integer multiply-add in the kernel). Zero-scale
@@ -45,9 +46,9 @@ def _source_bits() -> dict[tuple[int, int], int]:
         for p in (6, 7, 8, 15):
             b = p + half
             src[(0, b)] = b
-            src[(1, b)] = (b + 4) % 32
-            src[(2, b)] = (b + 10) % 32
-            src[(3, b)] = (b + 14) % 32 if p == 6 else (b + 6) % 32
+            src[(1, b)] = b - 4
+            src[(2, b)] = (b + 6) % 32
+            src[(3, b)] = b + 2 if p == 8 else b - 6
     assert sorted(src.values()) == list(range(32)), "bit map must be a permutation"
     return src
 
@@ -150,9 +151,9 @@ def dequantize(wq: torch.Tensor, n: int, k: int) -> torch.Tensor:
     outs = torch.stack(
         (
             q & _MASK,
-            _rotr(q, 4) & _MASK,
-            _rotr(q, 10) & _MASK,
-            (_rotr(q, 14) & 0x00400040) | (_rotr(q, 6) & 0x81808180),
+            (q << 4) & _MASK,
+            _rotr(q, 6) & _MASK,
+            ((q << 6) & 0x80C080C0) | ((q >> 2) & 0x01000100),
         ),
         dim=-1,
     )  # (nt, kc, 32, j, i)

@@ -10,13 +10,16 @@ constexpr uint32_t kMask = 0x81C081C0u;  // bf16 sign bit 15 and bits 6..8, both
 
 __device__ __forceinline__ uint32_t rotr(uint32_t x, int s) { return __funnelshift_r(x, x, s); }
 
-// 8 codes -> 4 bf16x2 holding e2m1 * 2^-126 (exact).
+// 8 codes -> 4 bf16x2 holding e2m1 * 2^-126 (exact). Four shifts and five LOP3 (no layout does it
+// with fewer: the mask has no four shifts that tile the word); two of the shifts are left shifts,
+// which ptxas may issue as IMAD.SHL on the FMA-heavy pipe, off the ALU pipe that the LOP3s and
+// the other shifts share (the previous layout's four rotations all ran on the ALU pipe).
 __device__ __forceinline__ void unpack8(uint32_t q, uint32_t& r0, uint32_t& r1, uint32_t& r2,
                                         uint32_t& r3) {
   r0 = q & kMask;
-  r1 = rotr(q, 4) & kMask;
-  r2 = rotr(q, 10) & kMask;
-  r3 = (rotr(q, 14) & 0x00400040u) | (rotr(q, 6) & 0x81808180u);
+  r1 = (q << 4) & kMask;
+  r2 = rotr(q, 6) & kMask;
+  r3 = ((q << 6) & 0x80C080C0u) | ((q >> 2) & 0x01000100u);
 }
 
 __device__ __forceinline__ uint32_t bmul2(uint32_t a, uint32_t b) {
