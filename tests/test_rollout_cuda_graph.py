@@ -316,40 +316,6 @@ def test_gpu_fused_ops_equal_torch_ops():
 
 
 @gpu
-@pytest.mark.parametrize("r", [4, 16, 40])
-def test_gpu_many_row_expand_equals_row_kernels(r):
-    """The LoRA expand and SiLU * up with a LoRA term at prefill sizes (EXPAND_ROWS rows or more:
-    B's columns kept for 16 rows at a time) give the same bits as the one-row-per-block kernels on
-    slices of fewer rows, and the torch ops' result within the expand's summation-order tolerance;
-    with a bias or none, rank not a multiple of 16, rows not a multiple of 16, two or three members."""
-    from engine.rollout.fused_ops import EXPAND_ROWS, LoraTerm, TorchOps, apply_epilogue, pick_ops
-
-    ops = pick_ops(torch.device("cuda"), torch.bfloat16, qk_norm=False, head_dim=128)
-    if ops.name != "cuda":
-        pytest.skip("fused kernels need an sm_90 GPU and nvcc")
-    g = torch.Generator("cuda").manual_seed(r)
-    rows, inter, step = 45, 1000, EXPAND_ROWS - 7
-
-    def rnd(*shape):
-        return torch.randn(*shape, device="cuda", generator=g)
-
-    gu = (rnd(rows, 2 * inter) * 4).bfloat16()
-    lo = LoraTerm(rnd(rows, 3 * r), rnd(r, 2 * inter) * 0.05, r, inter, 1500)
-
-    def sliced(fn, x, lora):
-        return torch.cat([fn(x[i:i + step], LoraTerm(lora.s[i:i + step], lora.b, r, lora.n1, lora.n2))
-                          for i in range(0, rows, step)])
-
-    for bias in (None, rnd(2 * inter).bfloat16()):
-        got = ops.silu_mul(gu, bias, lo)
-        assert torch.equal(got, sliced(lambda x, lt: ops.silu_mul(x, bias, lt), gu, lo))
-        torch.testing.assert_close(got.float(), TorchOps().silu_mul(gu, bias, lo).float(), atol=1e-2, rtol=8e-3)
-        got = ops._expand(gu, bias, lo)
-        assert torch.equal(got, sliced(lambda x, lt: ops._expand(x, bias, lt), gu, lo))
-        torch.testing.assert_close(got.float(), apply_epilogue(gu, bias, lo).float(), atol=1e-2, rtol=8e-3)
-
-
-@gpu
 @pytest.mark.parametrize(("fused_norm", "o_tasks"), [(False, False), (False, True), (True, True)])
 def test_gpu_sampler_logprobs_match_cpu_reference(fused_norm, o_tasks, monkeypatch):
     """The log-probs the graph engine reports for its own tokens = a CPU fp32 forward's, with the

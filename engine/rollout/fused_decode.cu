@@ -365,76 +365,6 @@ __global__ void silu_mul_kernel(const bf16* __restrict__ gu, const bf16* __restr
   out[row * inter + i] = __float2bfloat16_rn(o);
 }
 
-// Kernels for many rows with a LoRA term (a prefill): grid (ceil(columns / 256), ceil(rows /
-// kRowsPerBlock)), block 256. A thread keeps 16 rows of B's column at a time in registers and uses
-// them for each of its kRowsPerBlock rows, where the one-row-per-block kernels read them again for
-// every row (r loads per output: 2 x 16 x 37888 x 4 bytes a row in 7B's SiLU * up).
-constexpr int kRowsPerBlock = 16;
-
-// d[j] = s[row0 + j, member's r] . b[:, col] for j < nr: proj()'s multiply-adds in its order (the same bits).
-__device__ __forceinline__ void lora_deltas(const Lora& L, long long row0, int nr, int col,
-                                            float (&d)[kRowsPerBlock]) {
-  const int m = (col >= L.n1) + (col >= L.n2);
-#pragma unroll
-  for (int j = 0; j < kRowsPerBlock; ++j) d[j] = 0.f;
-  for (int t0 = 0; t0 < L.r; t0 += 16) {
-    const int tn = min(16, L.r - t0);
-    float bv[16];
-#pragma unroll
-    for (int t = 0; t < 16; ++t) bv[t] = t < tn ? L.b[(long long)(t0 + t) * L.ld_b + col] : 0.f;
-#pragma unroll
-    for (int j = 0; j < kRowsPerBlock; ++j) {
-      if (j < nr) {
-        const float* sp = L.s + (row0 + j) * L.ld_s + m * L.r + t0;
-#pragma unroll
-        for (int t = 0; t < 16; ++t)
-          if (t < tn) d[j] = fmaf(sp[t], bv[t], d[j]);
-      }
-    }
-  }
-}
-
-// proj() of rows row0 .. row0 + nr - 1 given their deltas.
-__device__ __forceinline__ float proj_with(const bf16* y, const bf16* bias, long long row, int col, int ld_y, float d) {
-  float v = ld(y + row * ld_y + col);
-  if (bias) v = rb(v + ld(bias + col));
-  return rb(v + d);
-}
-
-__global__ void silu_mul_rows_kernel(const bf16* __restrict__ gu, const bf16* __restrict__ bias, const Lora L,
-                                     bf16* __restrict__ out, int rows, int inter) {
-  pdl_wait_then_release();
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  const long long row0 = (long long)blockIdx.y * kRowsPerBlock;
-  const int nr = min(kRowsPerBlock, rows - (int)row0);
-  if (i >= inter) return;
-  float dg[kRowsPerBlock], du[kRowsPerBlock];
-  lora_deltas(L, row0, nr, i, dg);
-  lora_deltas(L, row0, nr, inter + i, du);
-#pragma unroll
-  for (int j = 0; j < kRowsPerBlock; ++j) {
-    if (j < nr) {
-      const long long row = row0 + j;
-      const float g = proj_with(gu, bias, row, i, 2 * inter, dg[j]);
-      const float u = proj_with(gu, bias, row, inter + i, 2 * inter, du[j]);
-      out[row * inter + i] = __float2bfloat16_rn(silu_times(g, u));
-    }
-  }
-}
-
-__global__ void lora_expand_rows_kernel(const bf16* __restrict__ y, const bf16* __restrict__ bias, const Lora L,
-                                        bf16* __restrict__ out, int rows, int n, int ld_y) {
-  pdl_wait_then_release();
-  const int col = blockIdx.x * blockDim.x + threadIdx.x;
-  const long long row0 = (long long)blockIdx.y * kRowsPerBlock;
-  const int nr = min(kRowsPerBlock, rows - (int)row0);
-  if (col >= n) return;
-  float d[kRowsPerBlock];
-  lora_deltas(L, row0, nr, col, d);
-#pragma unroll
-  for (int j = 0; j < kRowsPerBlock; ++j)
-    if (j < nr) out[(row0 + j) * n + col] = __float2bfloat16_rn(proj_with(y, bias, row0 + j, col, ld_y, d[j]));
-}
 
 namespace {
 
@@ -513,9 +443,6 @@ int qerl_silu_mul_shrink(const void* gu, const void* bias, void* out, SHRINK_ARG
 
 int qerl_lora_expand(const void* y, const void* bias, LORA_ARGS, void* out, int rows, int n, int ld_y,
                      void* stream) {
-  if (ls != nullptr && rows >= kRowsPerBlock)
-    return (int)launch(lora_expand_rows_kernel, dim3((n + 255) / 256, (rows + kRowsPerBlock - 1) / kRowsPerBlock),
-                       dim3(256), stream, (const bf16*)y, (const bf16*)bias, LORA_MAKE, (bf16*)out, rows, n, ld_y);
   const dim3 grid((n + 255) / 256, rows);
   return (int)launch(lora_expand_kernel, grid, dim3(256), stream, (const bf16*)y, (const bf16*)bias, LORA_MAKE,
                      (bf16*)out, n, ld_y);
@@ -539,9 +466,6 @@ int qerl_add_rmsnorm(void* x, const void* y, const void* bias, LORA_ARGS, const 
 }
 
 int qerl_silu_mul(const void* gu, const void* bias, LORA_ARGS, void* out, int rows, int inter, void* stream) {
-  if (ls != nullptr && rows >= kRowsPerBlock)  // a prefill: B's columns read once per kRowsPerBlock rows
-    return (int)launch(silu_mul_rows_kernel, dim3((inter + 255) / 256, (rows + kRowsPerBlock - 1) / kRowsPerBlock),
-                       dim3(256), stream, (const bf16*)gu, (const bf16*)bias, LORA_MAKE, (bf16*)out, rows, inter);
   const dim3 grid((inter + 255) / 256, rows);
   return (int)launch(silu_mul_kernel, grid, dim3(256), stream, (const bf16*)gu, (const bf16*)bias, LORA_MAKE,
                      (bf16*)out, inter);

@@ -28,9 +28,6 @@ SOURCE = Path(__file__).with_name("fused_decode.cu")
 FLAGS = ["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC"]
 SHRINK_BLOCK_INPUTS = 4096  # inputs per block of lora_shrink_kernel (kShrinkInputs)
 MAX_HIDDEN = 8 * 1024  # the norm kernels hold a row in registers (kRowSlots per thread of 1024)
-# From this many rows (kRowsPerBlock) the LoRA expand and SiLU * up with a LoRA term run in blocks of
-# that many rows, each reading B once (a prefill); q/k/v's epilogue then runs the expand first.
-EXPAND_ROWS = 16
 
 
 @dataclass
@@ -241,8 +238,6 @@ class CudaOps:
         if q_norm is not None:
             raise ValueError("the fused decode path has no per-head q/k norm; use TorchOps")
         b = y.shape[0]
-        if lora is not None and b >= EXPAND_ROWS:  # a prefill: the epilogue as many-row blocks first
-            y, bias, lora = self._expand(y, bias, lora), None, None
         y = y.contiguous()
         q = torch.empty(b, heads, d, dtype=y.dtype, device=y.device)
         err = self.lib.qerl_qkv_rope_cache(
