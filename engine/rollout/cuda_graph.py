@@ -71,6 +71,7 @@ PREFILL_ROWS = 8192  # prompt tokens per prefill chunk
 # PREFILL_GRAPHS shapes are kept, the least recently used dropped first).
 PREFILL_GRAPH_ROWS = 1024
 PREFILL_GRAPHS = 8
+PREFILL_SEEN_MAX = 4096  # shapes remembered as seen once
 PREFILL_KERNEL_SHRINK_ROWS = 64  # above: the prefill's LoRA shrinks as fp32 matmuls
 _MATMUL_OPS = TorchOps()
 # gate/up's LoRA expand goes into its NVFP4 GEMM's epilogue up to this many rows (the epilogue
@@ -462,6 +463,8 @@ class GraphRollout:
         entry = self.prefill_graphs.pop(key, None)
         if entry is None:
             if key not in self._prefill_seen and not capture:
+                if len(self._prefill_seen) >= PREFILL_SEEN_MAX:  # a service that sees ever new lengths
+                    self._prefill_seen.clear()
                 self._prefill_seen.add(key)  # a shape seen once runs eagerly: no capture for one-off shapes
                 return self._prefill(ids, mask)
             entry = self._capture_prefill(ids, mask, warm=key not in self._prefill_seen)
