@@ -10,6 +10,11 @@ byte ceiling. Each timing is a CUDA graph of calls that rotate through >300 MB o
     python benchmarks/gemm_nvfp4.py --sweep          # small-kernel configurations and crossovers
     python benchmarks/gemm_nvfp4.py --sweep-wg       # wgmma-kernel configurations and crossovers
     python benchmarks/gemm_nvfp4.py --sweep-slices --ms 1,8   # small kernel: warps per tile x splits
+
+``--kernels name=path`` (repeatable; the table only) also times our calls with the kernels built
+from another nvfp4_gemm.cu (its headers beside it; benchmarks/decode_ab.py's --kernels), in the same
+loop, so that two versions compare per call in one process. The weights are this version's
+layout: for a version with another bit layout the timing holds, the values do not.
 """
 from __future__ import annotations
 
@@ -145,19 +150,29 @@ def shapes(models):
                 yield model, name, n, k
 
 
-def table(models, ms, out_json):
+def table(models, ms, out_json, kernels: list | None = None):
+    """The per-call table; ``kernels``: (name, attribute sets) of other kernel builds
+    (decode_ab.kernels_variant), each timed in the same loop as ours."""
+    from benchmarks.decode_ab import applied
+
     rows = []
     for model, name, n, k in shapes(models):
         layer = Layer(n, k)
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             tb, tq = layer.time_bf16(x), layer.time_ours(x)
+            others = {}
+            for kname, sets in kernels or []:
+                with applied(sets):
+                    others[kname] = layer.time_ours(x)
             ratio = tb / tq
             rows.append(dict(model=model, layer=name, n=n, k=k, m=m, bf16_us=tb, ours_us=tq, ratio=ratio,
-                             tbps=0.5625 * n * k / tq / 1e6, ceiling_pct=100 * ratio / CEILING, path=path(m, layer)))
+                             tbps=0.5625 * n * k / tq / 1e6, ceiling_pct=100 * ratio / CEILING, path=path(m, layer),
+                             kernels_us=others))
             r = rows[-1]
             print(f"{model:>4} {name:>7} {n:>6}x{k:<6} M={m:<5} bf16 {tb:9.1f} us  ours {tq:9.1f} us  "
-                  f"x{ratio:5.2f}  {r['tbps']:5.2f} TB/s  {r['ceiling_pct']:5.1f}%  {r['path']}", flush=True)
+                  f"x{ratio:5.2f}  {r['tbps']:5.2f} TB/s  {r['ceiling_pct']:5.1f}%  {r['path']}"
+                  + "".join(f"  | {kn} {t:7.1f} us x{tb / t:5.2f}" for kn, t in others.items()), flush=True)
         del layer
         torch.cuda.empty_cache()
     if out_json:
@@ -317,7 +332,12 @@ def main() -> None:
     ap.add_argument("--serial", action="store_true", help="--sweep-slices: each call after a dependent copy")
     ap.add_argument("--json", default="")
     ap.add_argument("--profile", default="", help="n,k,m[,tnw,splits]: launch one configuration a few times")
+    ap.add_argument("--kernels", action="append", default=[],
+                    help="name=path: the table also times the NVFP4 kernels built from this nvfp4_gemm.cu (repeat)")
     args = ap.parse_args()
+    from benchmarks.decode_ab import kernels_variant
+
+    kernels = [kernels_variant(k) for k in args.kernels]  # built (or refused) before any timing
     models = args.models.split(",")
     ms = [int(v) for v in args.ms.split(",")]
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -332,7 +352,7 @@ def main() -> None:
     elif args.sweep_slices:
         sweep_slices(models, ms, args.json, args.serial)
     else:
-        summary(table(models, ms, args.json))
+        summary(table(models, ms, args.json, kernels))
 
 
 if __name__ == "__main__":

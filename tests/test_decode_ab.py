@@ -55,3 +55,16 @@ def test_dry_run_on_cpu_alternates_the_variants():
     assert all(len(r["runs"]) == 2 and r["ms_per_step"] > 0 for r in rows)
     assert rows[0]["delta_ms"] == 0 and rows[2]["delta_ms"] == 0
     assert cg.QKV_EPILOGUE_ROWS == before
+
+
+def test_gemm_benchmark_refuses_bad_kernels_before_timing(monkeypatch):
+    """benchmarks/gemm_nvfp4.py --kernels takes decode_ab's name=path form and rejects a bad one
+    with its message before it touches a GPU."""
+    import sys
+
+    from benchmarks import gemm_nvfp4
+
+    for text, message in (("prev", "write name=path"), ("prev=no/such/nvfp4_gemm.cu", "did not build")):
+        monkeypatch.setattr(sys, "argv", ["gemm_nvfp4.py", "--kernels", text])
+        with pytest.raises(ValueError, match=message):
+            gemm_nvfp4.main()
