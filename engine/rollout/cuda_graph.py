@@ -453,6 +453,16 @@ class GraphRollout:
         self.slot.fill_(t)
         return torch.cat(out)
 
+    def _warm_up(self, fn: Callable, *args) -> None:
+        """fn(*args) once on a side stream before it is captured: library handles and workspaces
+        are made outside the capture."""
+        cur = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            fn(*args)
+        cur.wait_stream(side)
+
     def _run_prefill(self, ids: torch.Tensor, mask: torch.Tensor, *, capture: bool = False) -> torch.Tensor:
         """``_prefill``, replayed from a CUDA graph for small shapes seen before (PREFILL_GRAPH_ROWS;
         ``capture``: capture a graph for this shape now even if it is new)."""
@@ -484,13 +494,8 @@ class GraphRollout:
         """(graph, static ids, static mask, logits) of ``_prefill`` for this shape, or None where
         capture fails (the prefill then stays eager for every shape). Capturing runs nothing."""
         ids_s, mask_s = ids.clone(), mask.clone()
-        cur = torch.cuda.current_stream(self.device)
-        if warm:  # library handles and workspaces, outside the capture (a shape seen before has them)
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(cur)
-            with torch.cuda.stream(side):
-                self._prefill(ids_s, mask_s)
-            cur.wait_stream(side)
+        if warm:  # a shape seen before has its library handles and workspaces
+            self._warm_up(self._prefill, ids_s, mask_s)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self.prefill_pool):
@@ -601,11 +606,7 @@ class GraphRollout:
         g = self.graphs.get((b, s))
         if g is None:
             saved = (self.slot.clone(), self.pos.clone())
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                self._step(b, s)  # warm-up (library handles, workspaces) outside the capture
-            torch.cuda.current_stream(self.device).wait_stream(side)
+            self._warm_up(self._step, b, s)
             self.slot.copy_(saved[0])
             self.pos.copy_(saved[1])
             g = torch.cuda.CUDAGraph()
