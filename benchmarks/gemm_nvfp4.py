@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.decode_ab import applied, kernels_variant  # noqa: E402
 from engine.kernels import nvfp4_gemm as gemm  # noqa: E402
 
 SHAPES = {
@@ -153,8 +154,6 @@ def shapes(models):
 def table(models, ms, out_json, kernels: list | None = None):
     """The per-call table; ``kernels``: (name, attribute sets) of other kernel builds
     (decode_ab.kernels_variant), each timed in the same loop as ours."""
-    from benchmarks.decode_ab import applied
-
     rows = []
     for model, name, n, k in shapes(models):
         layer = Layer(n, k)
@@ -335,8 +334,6 @@ def main() -> None:
     ap.add_argument("--kernels", action="append", default=[],
                     help="name=path: the table also times the NVFP4 kernels built from this nvfp4_gemm.cu (repeat)")
     args = ap.parse_args()
-    from benchmarks.decode_ab import kernels_variant
-
     kernels = [kernels_variant(k) for k in args.kernels]  # built (or refused) before any timing
     models = args.models.split(",")
     ms = [int(v) for v in args.ms.split(",")]
