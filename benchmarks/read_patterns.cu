@@ -127,8 +127,8 @@ __device__ __forceinline__ const int4* chunk_at(const int4* p, int w, int c, int
 // seg (MMA = false) and mma (MMA = true) rows; MINB only names the variant (occupancy is set by
 // the launch's dynamic shared memory, and the grid is MINB blocks per SM, each warp taking
 // groups of TNW segments in turn: no partial last wave). U picks the per-word work: 0 the
-// kernels' (unpack, four scale multiplies, MMA), 1 / 2 the mul1 / mul2 unpacks with the same
-// bits; 20 without the scale multiplies, 21 without the unpack (the multiplies take the raw
+// kernels' (unpack, four scale multiplies, MMA), 4 the same bits with IMADs for the left shifts,
+// 5 the previous layout's unpack, 1 / 2 the mul1 / mul2 unpacks with its bits; 20 without the scale multiplies, 21 without the unpack (the multiplies take the raw
 // word), 22 the MMA alone (the raw word as its operand); 30 the scales applied to fp32 sums
 // once per scale group of a chunk instead of to the weights (timing only: the same products,
 // summed in another order). Each block's sum of its first warp's
