@@ -112,13 +112,14 @@ class Layer:
             return time_calls(calls) * 2 - time_calls([lambda: x.copy_(x0)] * len(self.fp4))
         return time_calls(calls)
 
-    def time_wg(self, x: torch.Tensor, bn: int | None = None, wg: int | None = None, splits: int | None = None,
+    def time_wg(self, x: torch.Tensor, bn: int | None = None, wg: int | None = None, blocks: int | None = None,
                 prefetch: int | None = None) -> float:
         m = x.shape[0]
         outs = torch.empty(m, self.n, dtype=torch.bfloat16, device="cuda")
-        cfg = gemm.wg_config(m, self.fp4[0], x.device, bn, wg, splits)
-        ws = torch.empty(cfg[2] * m * self.fp4[0].ntiles * 16, device="cuda") if cfg[2] > 1 else None
-        return time_calls([lambda p=p: gemm.gemm_wg_into(x, p, outs, bn=bn, wg=wg, splits=splits, workspace=ws,
+        cfg = gemm.wg_config(m, self.fp4[0], x.device, bn, wg, blocks)
+        need = gemm.wg_workspace(m, cfg)
+        ws = torch.empty(need, device="cuda") if need else None
+        return time_calls([lambda p=p: gemm.gemm_wg_into(x, p, outs, bn=bn, wg=wg, blocks=blocks, workspace=ws,
                                                          prefetch=prefetch) for p in self.fp4])
 
     def time_large(self, x: torch.Tensor) -> float:
@@ -135,8 +136,8 @@ def path(m: int, layer: Layer) -> str:
     if route == "cublas":
         return "dequant+cuBLAS"
     if route == "wg":
-        bn, wg, splits, _ = gemm.wg_config(m, layer.fp4[0], torch.device("cuda"))
-        return f"wgmma n{bn} g{wg} s{splits}"
+        cfg = gemm.wg_config(m, layer.fp4[0], torch.device("cuda"))
+        return f"wgmma n{cfg.bn} g{cfg.wg} b{cfg.blocks}/{cfg.columns}"
     cfg = gemm.small_config(m, layer.fp4[0], torch.device("cuda"))
     return f"fused mt{cfg.mt} w{cfg.tnw} s{cfg.splits}" + (f" p{cfg.wpt}" if cfg.wpt > 1 else "")
 
@@ -216,8 +217,10 @@ def sweep(models, ms, out_json):
 
 def sweep_wg(models, ms, out_json):
     """Per shape and M: bf16, dequantize + cuBLAS, the small kernel (automatic shape, M <= 128), and
-    the wgmma kernel with 1 or 2 warpgroups per block and half/auto/double K splits."""
+    the wgmma kernel with 1 or 2 warpgroups per block, whole columns (one block each) or columns
+    shared by stream K over 0.5, 1, 1.5 and 2 waves of resident blocks."""
     rows = []
+    dev = torch.device("cuda")
     for model, name, n, k in shapes(models):
         layer = Layer(n, k)
         p = layer.fp4[0]
@@ -225,27 +228,29 @@ def sweep_wg(models, ms, out_json):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             tb, tl = layer.time_bf16(x), layer.time_large(x)
             ts = layer.time_small(x, *gemm.small_config(m, p, x.device)[1:3]) if m <= gemm.SMALL_M_MAX else float("nan")
-            bn0 = gemm.wg_config(m, p, x.device)[0]
+            bn0 = gemm.wg_config(m, p, dev).bn
             res = {}
             for wg in (1, 2):
                 if (bn0, wg) not in gemm._WG_VARIANTS:
                     continue
-                auto = gemm.wg_config(m, p, x.device, bn0, wg)[2]
-                for splits in sorted({max(1, auto // 2), auto, 2 * auto}):
-                    eff = gemm.wg_config(m, p, x.device, bn0, wg, splits)[2]
+                cols = gemm.wg_config(m, p, dev, bn0, wg).columns
+                wave = gemm._wg_occupancy(bn0, wg) * gemm.sm_count(dev)
+                tries = {cols} if -(-m // bn0) > 1 else {cols} | {max(1, round(f * wave)) for f in (0.5, 1, 1.5, 2)}
+                for blocks in sorted(tries):
+                    eff = gemm.wg_config(m, p, dev, bn0, wg, blocks).blocks
                     if (wg, eff) not in res:
                         res[(wg, eff)] = layer.time_wg(x, bn0, wg, eff)
             best = min(res.items(), key=lambda kv: kv[1])
-            auto_cfg = gemm.wg_config(m, p, x.device)
-            t_auto = res.get((auto_cfg[1], auto_cfg[2]), float("nan"))
-            t_pf0 = layer.time_wg(x, prefetch=0)
-            cells = " ".join(f"g{a}s{b}:{v:.1f}" for (a, b), v in sorted(res.items()))
+            auto_cfg = gemm.wg_config(m, p, dev)
+            t_auto = res.get((auto_cfg.wg, auto_cfg.blocks), float("nan"))
+            cells = " ".join(f"g{a}b{b}:{v:.1f}" for (a, b), v in sorted(res.items()))
             print(f"{model:>4} {name:>7} M={m:<4} bf16 {tb:7.1f} cuBLAS-path {tl:7.1f} small {ts:7.1f} | wg n{bn0} "
-                  f"auto g{auto_cfg[1]}s{auto_cfg[2]} {t_auto:6.1f} pf0 {t_pf0:6.1f} best g{best[0][0]}s{best[0][1]} "
-                  f"{best[1]:6.1f} x{tb / best[1]:4.2f} (small x{tb / ts:4.2f}) | {cells}", flush=True)
+                  f"auto g{auto_cfg.wg}b{auto_cfg.blocks}/{auto_cfg.columns} {t_auto:6.1f} x{tb / t_auto:4.2f} "
+                  f"best g{best[0][0]}b{best[0][1]} {best[1]:6.1f} x{tb / best[1]:4.2f} (small x{tb / ts:4.2f}, "
+                  f"cuBLAS x{tb / tl:4.2f}) | {cells}", flush=True)
             rows.append(dict(model=model, layer=name, n=n, k=k, m=m, bf16_us=tb, large_us=tl, small_us=ts,
-                             wg_auto=[auto_cfg[1], auto_cfg[2], t_auto], wg_pf0=t_pf0,
-                             wg={f"g{a}s{b}": v for (a, b), v in res.items()}))
+                             wg_auto=[auto_cfg.wg, auto_cfg.blocks, t_auto],
+                             wg={f"g{a}b{b}": v for (a, b), v in res.items()}))
         del layer
         torch.cuda.empty_cache()
     if out_json:

@@ -75,9 +75,10 @@ def reference(x: torch.Tensor, wref: torch.Tensor, gscale: torch.Tensor) -> torc
 
 
 def poisoned(m: int, p) -> tuple[torch.Tensor, torch.Tensor]:
-    """NaN-filled output [m, N] and split-K workspace (large enough for any split count)."""
+    """NaN-filled output [m, N] and split-K workspace (large enough for any split count or
+    stream-K grid)."""
     out = torch.full((m, p.n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    ws = torch.full((p.kg * m * p.ntiles * 16,), float("nan"), device="cuda")
+    ws = torch.full(((p.kg + 1) * m * (p.ntiles + 8) * 16,), float("nan"), device="cuda")
     return out, ws
 
 
@@ -171,13 +172,33 @@ def test_in_block_k_slices(wpt, tnw):
 @pytest.mark.parametrize("n,k", [(1000, 1008), (136, 2000)])  # the second leaves a warpgroup idle
 @pytest.mark.parametrize("bn,wg", sorted(gemm._WG_VARIANTS))
 def test_every_wgmma_variant(n, k, bn, wg):
+    """Whole columns and columns shared by stream K (one block; fewer blocks than columns; a
+    column cut unevenly; one group per block), beside the automatic grid."""
     p, wref, gscale = make_layer(n, k, seed=11)
     for m in sorted({max(1, bn - 13), bn, bn + 5}):
         x = torch.randn(m, p.k, device="cuda").bfloat16()
         ref = reference(x, wref, gscale)
-        for splits in (1, 3, 1000):
-            checked_launch(p, x, ref, f"{n}x{k} M={m} bn={bn} wg={wg} splits={splits}",
-                           lambda out, ws: gemm.gemm_wg_into(x, p, out, bn=bn, wg=wg, splits=splits, workspace=ws))
+        cfg = gemm.wg_config(m, p, x.device, bn, wg)
+        units = cfg.columns * p.kg
+        grids = {None} if m > bn else {None, 1, cfg.columns, max(1, cfg.columns - 1), 2 * cfg.columns + 1,
+                                        (7 * cfg.columns) // 3, units}
+        for blocks in grids:
+            checked_launch(p, x, ref, f"{n}x{k} M={m} bn={bn} wg={wg} blocks={blocks}",
+                           lambda out, ws: gemm.gemm_wg_into(x, p, out, bn=bn, wg=wg, blocks=blocks, workspace=ws))
+
+
+@pytest.mark.parametrize("m", [16, 64, 128])
+def test_stream_k_is_deterministic_and_exact(m):
+    """A layer whose columns the automatic grid shares between blocks: the same bits call after
+    call, within bf16 rounding of the exact product, tickets back at zero."""
+    p, wref, gscale = make_layer(4608, 3584, seed=13)
+    x = torch.randn(m, p.k, device="cuda").bfloat16()
+    cfg = gemm.wg_config(m, p, x.device)
+    assert cfg.shared
+    first = checked_launch(p, x, reference(x, wref, gscale), f"M={m} {cfg}",
+                           lambda out, ws: gemm.gemm_wg_into(x, p, out, workspace=ws))
+    for _ in range(3):
+        assert torch.equal(gemm.gemm_wg_into(x, p, torch.empty_like(first)), first)
 
 
 @pytest.mark.parametrize("m", [16, 64])

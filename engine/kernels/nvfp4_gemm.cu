@@ -812,41 +812,65 @@ __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool va
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0));
 }
 
+// The block's K work: columns of kTiles weight tiles (4 * WG), each kg groups of 256 inputs, laid
+// end to end as ncols * kg units and cut into gridDim.x equal ranges ("stream K"): block b takes
+// units [b U / B, (b + 1) U / B) and with them one or more segments, each a column's groups
+// [g0, g1). A segment that is a whole column writes its output; the segments of a column that
+// several blocks share write fp32 partial sums to slot (block + column) of the workspace (the
+// slots of one column are consecutive, in block order), and the column's last block to finish
+// (an atomic ticket) adds them in that order, so results are deterministic for a given grid.
+// With B = ncols every block is one whole column; rows past BN go to further blocks along z,
+// which then must take whole columns.
+__device__ __forceinline__ int sk_owner(long long u, long long units, int blocks) {
+  return (int)(((u + 1) * blocks - 1) / units);  // the block whose range holds unit u
+}
+
 template <int BN, int WG>
 __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
     gemm_wg_kernel(const int4* __restrict__ wq, const uint16_t* __restrict__ x,
                    uint16_t* __restrict__ y, float* __restrict__ ws, int* __restrict__ counters,
                    const float* __restrict__ alpha_p, int M, int N, int K, int ldx, int ldy,
-                   int ntiles, int kg, int splits, int gps, int pf) {
+                   int ntiles, int kg, int ncols, int pf) {
   using T = WgTile<BN>;
   constexpr int kGroup = 144;               // int4s per record
   constexpr int kTiles = 4 * WG;            // weight tiles per block
+  constexpr int kWidth = kTiles * 16;       // output columns per column block
   constexpr int kRoundRows = 8 * WG;        // activation rows one copy round covers
   constexpr int kRounds = BN / kRoundRows;  // copy rounds per chunk
   static_assert(BN % kRoundRows == 0, "BN must be a multiple of 8 * WG");
   extern __shared__ __align__(128) char wg_smem[];
+  __shared__ int is_last;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int tile = blockIdx.x * kTiles + warp;
-  const bool active = blockIdx.x * kTiles + (warp & ~3) < ntiles;  // uniform per warpgroup
-  const int split = blockIdx.y, m0 = blockIdx.z * BN;
-  const int g0 = split * gps;
-  const int g1 = min(kg, g0 + gps);
-  const int npad = ntiles * 16;
+  const int m0 = blockIdx.z * BN;
+  const int blocks = gridDim.x, b = blockIdx.x;
+  const long long units = (long long)ncols * kg;
+  const long long u_end = (b + 1) * units / blocks;
+  const float alpha = __ldg(alpha_p);
+  const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem));
+  const uint64_t desc0 = ((sbase >> 4) & 0x3FFF) | ((uint64_t)(kCoreLbo >> 4) << 16) |
+                         ((uint64_t)(kCoreSbo >> 4) << 32);
+  // activation copies: lane (t, p, jb, tk) of warp w moves, per round q and a in {0, 1}, the
+  // 4-byte piece (row 16q.. + nlo, inputs 16t + 4(2a + jb) + 2p) of the chunk.
+  const int cp = (lane >> 2) & 1, cjb = (lane >> 3) & 1, ctk = lane >> 4;
+  const int nlo = (warp & 3) + 8 * (warp >> 2) + 4 * ctk;
+  const uint32_t dst0 =
+      sbase + cjb * T::kStep + cp * kCoreLbo + (nlo >> 3) * kCoreSbo + (nlo & 7) * 16 + 4 * t;
+  const int rows_left = M - m0 - nlo;
+  const size_t round_stride = (size_t)kRoundRows * ldx;
 
-  float acc[BN / 2];
+  bool first = true;
+  for (long long u = b * units / blocks; u < u_end;) {
+    const int col = (int)(u / kg);
+    const int g0 = (int)(u - (long long)col * kg);
+    const int g1 = (int)min((long long)kg, g0 + (u_end - u));
+    const bool whole = g0 == 0 && g1 == kg;
+    const int tile = col * kTiles + warp;
+    const bool active = col * kTiles + (warp & ~3) < ntiles;  // uniform per warpgroup
+
+    float acc[BN / 2];
 #pragma unroll
-  for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
 
-  if (g0 < g1) {
-    // -- activation copies: lane (t, p, jb, tk) of warp w moves, per round q and a in {0, 1},
-    // the 4-byte piece (row 16q.. + nlo, inputs 16t + 4(2a + jb) + 2p) of the chunk.
-    const int cp = (lane >> 2) & 1, cjb = (lane >> 3) & 1, ctk = lane >> 4;
-    const int nlo = (warp & 3) + 8 * (warp >> 2) + 4 * ctk;
-    const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem));
-    const uint32_t dst0 =
-        sbase + cjb * T::kStep + cp * kCoreLbo + (nlo >> 3) * kCoreSbo + (nlo & 7) * 16 + 4 * t;
-    const int rows_left = M - m0 - nlo;
-    const size_t round_stride = (size_t)kRoundRows * ldx;
     const uint16_t* xsrc =
         x + (size_t)(m0 + (rows_left > 0 ? nlo : 0)) * ldx + 16 * t + 4 * cjb + 2 * cp + (size_t)g0 * 256;
     int krem = K - g0 * 256 - 16 * t;  // inputs left from this lane's piece of the current group
@@ -878,7 +902,8 @@ __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
       for (int d = 0; d < 4; ++d) wb[d] = ld_stream(wptr + d * 32);
       sc = sload(0);
     }
-    pdl_wait_then_release();  // activations are the previous kernel's output
+    if (first) pdl_wait_then_release();  // activations are the previous kernel's output
+    first = false;
 
     issue(0, 0);
     asm volatile("cp.async.commit_group;" ::: "memory");
@@ -886,8 +911,6 @@ __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
     asm volatile("cp.async.commit_group;" ::: "memory");
     issue(0, 2);
     asm volatile("cp.async.commit_group;" ::: "memory");
-    const uint64_t desc0 = ((sbase >> 4) & 0x3FFF) | ((uint64_t)(kCoreLbo >> 4) << 16) |
-                           ((uint64_t)(kCoreSbo >> 4) << 32);
     fence_acc(acc);
 
     for (int gi = g0; gi < g1; ++gi) {
@@ -930,50 +953,89 @@ __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
     }
     asm volatile("cp.async.wait_group 0;" ::: "memory");
     fence_acc(acc);
-  }
-  pdl_wait_then_release();  // blocks without a K range: before the workspace and tickets
+    __syncthreads();  // every warpgroup is done with the ring before the next segment refills it
 
-  // acc[4i + e]: weight row g + 8 (e >> 1) of the tile, activation row m0 + 8i + 2t + (e & 1)
-  const float alpha = __ldg(alpha_p);
-  if (splits == 1) {
-    if (!active) return;
+    // acc[4i + e]: weight row g + 8 (e >> 1) of the tile, activation row m0 + 8i + 2t + (e & 1)
+    if (whole) {
+      if (active) {
 #pragma unroll
-    for (int i = 0; i < BN / 8; ++i)
+        for (int i = 0; i < BN / 8; ++i)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int tk = m0 + 8 * i + 2 * t + (e & 1), nn = tile * 16 + g + 8 * (e >> 1);
-        if (tk < M && nn < N) y[(size_t)tk * ldy + nn] = to_bf16(acc[4 * i + e] * alpha);
+          for (int e = 0; e < 4; ++e) {
+            const int tk = m0 + 8 * i + 2 * t + (e & 1), nn = tile * 16 + g + 8 * (e >> 1);
+            if (tk < M && nn < N) y[(size_t)tk * ldy + nn] = to_bf16(acc[4 * i + e] * alpha);
+          }
       }
-    return;
-  }
-
-  // Split K (one activation tile, m0 = 0): partial sums, then the column's last block adds them.
-  if (active) {
-    float* part = ws + (size_t)split * M * npad;
+    } else {
+      // a shared column (one row tile, m0 = 0): partial sums, then the column's last block adds them
+      const size_t slot = (size_t)M * kWidth;
+      if (active) {
+        float* part = ws + (size_t)(b + col) * slot + warp * 16 + g;  // this lane's columns of the slot
 #pragma unroll
-    for (int i = 0; i < BN / 8; ++i)
+        for (int i = 0; i < BN / 8; ++i)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int tk = 8 * i + 2 * t + (e & 1), nn = tile * 16 + g + 8 * (e >> 1);
-        if (tk < M) part[(size_t)tk * npad + nn] = acc[4 * i + e];
+          for (int e = 0; e < 4; ++e) {
+            const int tk = 8 * i + 2 * t + (e & 1);
+            if (tk < M) part[(size_t)tk * kWidth + 8 * (e >> 1)] = acc[4 * i + e];
+          }
       }
+      const long long c0 = (long long)col * kg;
+      const int b0 = sk_owner(c0, units, blocks);
+      const int nseg = sk_owner(c0 + kg - 1, units, blocks) - b0 + 1;
+      __threadfence();
+      __syncthreads();
+      if (threadIdx.x == 0) is_last = atomicAdd(&counters[col], 1) == nseg - 1;
+      __syncthreads();
+      if (is_last) {
+        __threadfence();
+        // the column's outputs, four at a time (float4 i of a slot), R per thread a round; each
+        // output's partial sums added in segment order, P segments' loads in flight at once
+        constexpr int R = BN >= 32 ? 4 : 2, P = 2, kThreads = WG * 128;
+        const float4* s0 = reinterpret_cast<const float4*>(ws + (size_t)(b0 + col) * slot);
+        const size_t slot4 = slot / 4;
+        const int n4 = M * kWidth / 4, nb = col * kWidth;
+        for (int i0 = threadIdx.x; i0 < n4; i0 += R * kThreads) {
+          float4 v[R];
+#pragma unroll
+          for (int r = 0; r < R; ++r) v[r] = make_float4(0.f, 0.f, 0.f, 0.f);
+          for (int j0 = 0; j0 < nseg; j0 += P) {
+            float4 w[P][R];
+#pragma unroll
+            for (int q = 0; q < P; ++q)
+#pragma unroll
+              for (int r = 0; r < R; ++r) {
+                const int i = i0 + r * kThreads;
+                w[q][r] = j0 + q < nseg && i < n4 ? __ldcg(s0 + (j0 + q) * slot4 + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+              }
+#pragma unroll
+            for (int q = 0; q < P; ++q)
+              if (j0 + q < nseg)
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                  v[r].x += w[q][r].x;
+                  v[r].y += w[q][r].y;
+                  v[r].z += w[q][r].z;
+                  v[r].w += w[q][r].w;
+                }
+          }
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            const int i = i0 + r * kThreads;
+            if (i >= n4) continue;
+            const int tk = 4 * i / kWidth, nn = nb + 4 * i % kWidth;
+            uint16_t* yr = y + (size_t)tk * ldy + nn;
+            const float e4[4] = {v[r].x, v[r].y, v[r].z, v[r].w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              if (nn + e < N) yr[e] = to_bf16(e4[e] * alpha);
+          }
+        }
+        if (threadIdx.x == 0) counters[col] = 0;
+      }
+      __syncthreads();  // is_last is read before the next segment's ticket rewrites it
+    }
+    u += g1 - g0;
   }
-  __threadfence();
-  __syncthreads();
-  __shared__ int is_last;
-  if (threadIdx.x == 0) is_last = atomicAdd(&counters[blockIdx.x], 1) == splits - 1;
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  constexpr int kWidth = kTiles * 16;
-  const int nb = blockIdx.x * kWidth;
-  for (int i = threadIdx.x; i < M * kWidth; i += WG * 128) {
-    const int tk = i / kWidth, nn = nb + i % kWidth;
-    if (nn >= N) continue;
-    const float sum = sum_splits(ws + (size_t)tk * npad + nn, (size_t)M * npad, splits);
-    y[(size_t)tk * ldy + nn] = to_bf16(sum * alpha);
-  }
-  if (threadIdx.x == 0) counters[blockIdx.x] = 0;
 }
 
 // Weights back to bf16 [N, K] (times 2^-7, exact) for the cuBLAS path and the backward pass.
@@ -1156,19 +1218,24 @@ int qerl_nvfp4_gemm_small(int mt, int tnw, int wpt, const void* wq, const void* 
 }
 
 // Medium M: the wgmma kernel. bn: activation rows per block (16, 32, 64, 96, 128; 192 and 256
-// with wg = 2); wg: warpgroups per block (64 weight rows each). Rows past bn go to further
-// blocks along z, which then must not split K.
+// with wg = 2); wg: warpgroups per block (64 weight rows each); blocks: the grid along x, from
+// one block per column block (ncols, whole columns) to ncols * kg (one group each); other than
+// ncols it shares columns between blocks (stream K), which needs the workspace, (blocks + ncols)
+// slots of M x 64 wg floats, and a single row tile. Rows past bn go to further blocks along z.
 int qerl_nvfp4_gemm_wg(int bn, int wg, const void* wq, const void* x, void* y, void* ws,
                        void* counters, const void* alpha, int M, int N, int K, int ldx, int ldy,
-                       int ntiles, int kg, int splits, int gps, int pf, void* stream) {
+                       int ntiles, int kg, int blocks, int pf, void* stream) {
   const Variant v = pick_wg(bn, wg);
   const int mtiles = (M + bn - 1) / bn;
-  if (v.fn == nullptr || (mtiles > 1 && splits > 1)) return (int)cudaErrorInvalidValue;
+  int ncols = (ntiles + 4 * wg - 1) / (4 * wg);
+  if (v.fn == nullptr || blocks < 1 || (long long)blocks > (long long)ncols * kg ||
+      (blocks != ncols && (mtiles > 1 || ws == nullptr)))
+    return (int)cudaErrorInvalidValue;
   cudaError_t err = allow_smem(v);
   if (err != cudaSuccess) return (int)err;
-  dim3 grid((ntiles + 4 * wg - 1) / (4 * wg), splits, mtiles);
+  dim3 grid(blocks, 1, mtiles);
   void* args[] = {&wq, &x, &y, &ws, &counters, &alpha, &M, &N, &K,
-                  &ldx, &ldy, &ntiles, &kg, &splits, &gps, &pf};
+                  &ldx, &ldy, &ntiles, &kg, &ncols, &pf};
   return (int)launch(v.fn, grid, dim3(wg * 128), v.smem, stream, args);
 }
 

@@ -2,12 +2,13 @@
 
 Three paths on Hopper, picked per call from the number of activation rows M (``kernel_path``,
 crossovers measured on H200):
-- "small" (decode, M up to SMALL_PATH_MAX): mma.sync with the weights dequantized in registers as
-  the MMA's A operand (see nvfp4_gemm.cu); a tile's K range split over warps of a block and over
-  blocks, and tiles per warp, by a rule measured per layer kind (small_config).
-- "wg" (M up to 32-128, the larger the layer the further): the same dequantization feeding
-  warpgroup MMAs (wgmma) whose B operand, the activations, streams through a shared-memory ring;
-  K split when the grid is small.
+- "small" (decode: up to 8 rows, and up to SMALL_PATH_MAX on wide layers and wherever the fused
+  epilogue is asked for): mma.sync with the weights dequantized in registers as the MMA's A
+  operand (see nvfp4_gemm.cu); a tile's K range split over warps of a block and over blocks, and
+  tiles per warp, by a rule measured per layer kind (small_config).
+- "wg" (from 9-17 rows up to 32-256, the larger the layer the further): the same dequantization
+  feeding warpgroup MMAs (wgmma) whose B operand, the activations, streams through a shared-memory
+  ring; the layer's columns x K groups cut into one wave of resident blocks (stream K, wg_config).
 - "cublas" (the rest): one pass dequantizes to bf16 and cuBLAS multiplies, with the global scale
   as the GEMM's alpha so the output is rounded once.
 dx = dy @ W always takes the last path (training has large M; the base gets no gradient).
@@ -65,8 +66,13 @@ _PREFETCH_MIN_M = 3
 WG_BN = (16, 32, 64, 96, 128, 192, 256)
 _WG_VARIANTS = {(bn, 1) for bn in WG_BN if bn <= 128} | {(bn, 2) for bn in WG_BN}
 SMALL_PATH_MAX = int(os.environ.get("QERL_NVFP4_SMALL_MAX", "16"))
-WG_M_MAX = int(os.environ.get("QERL_NVFP4_WG_MAX", "128"))
+WG_M_MAX = int(os.environ.get("QERL_NVFP4_WG_MAX", "256"))
+_WG_NARROW_ROWS = 32768  # from 9 rows, layers of at most this many output rows take the wgmma kernel
 WG_PREFETCH_GROUPS = int(os.environ.get("QERL_NVFP4_WG_PREFETCH", "2"))
+# Blocks of the wgmma kernel with one row tile, in waves of resident blocks (stream K), unless the
+# layer has at least _WG_WHOLE_WAVES waves of column blocks.
+WG_FILL = float(os.environ.get("QERL_NVFP4_WG_FILL", "1"))
+_WG_WHOLE_WAVES = 4
 
 
 @dataclass(eq=False)
@@ -176,16 +182,15 @@ def _m_tiles(m: int) -> int:
 
 
 def kernel_path(m: int, n: int, k: int) -> str:
-    """"small", "wg" or "cublas" for M rows of an [n, k] layer (crossovers measured on H200: the
-    fused kernels pay off over dequantize + cuBLAS for fewer rows the smaller the layer)."""
-    if m <= SMALL_PATH_MAX:
-        return "small"
+    """"small", "wg" or "cublas" for a plain product of M rows of an [n, k] layer (crossovers
+    measured on H200, benchmarks/gemm_nvfp4.py --sweep-wg): the small kernel up to 8 rows, and
+    up to SMALL_PATH_MAX on wide layers (gate/up); the wgmma kernel (stream K) from there on, up to
+    the more rows the larger the layer; dequantize + cuBLAS beyond."""
     weights = n * k
-    if m <= 32:  # the wgmma kernel wins here only with enough column blocks to need few K splits
-        if weights >= 60e6 and n >= 4096:
-            return "wg"
-        return "small" if weights >= 20e6 else "cublas"
-    if (m <= 64 and weights >= 30e6) or (m <= WG_M_MAX and weights >= 60e6):
+    if m <= SMALL_PATH_MAX and (m <= 8 or n > _WG_NARROW_ROWS):
+        return "small"
+    if m <= 32 or (m <= 64 and weights >= 15e6) or (m <= 128 and weights >= 30e6) or \
+            (m <= WG_M_MAX and weights >= 100e6):
         return "wg"
     return "cublas"
 
@@ -255,32 +260,52 @@ def _wg_occupancy(bn: int, wg: int) -> int:
     return max(1, _build.library().qerl_nvfp4_occupancy_wg(bn, wg))
 
 
-def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = None, wg: int | None = None,
-              splits: int | None = None) -> tuple[int, int, int, int]:
-    """(activation rows per block, warpgroups per block, K splits, groups per split) for M rows.
+class WgConfig(NamedTuple):
+    """Launch shape of the wgmma kernel: activation rows per block, warpgroups per block (64 weight
+    rows each), blocks along the layer's columns (``columns`` of them: whole columns; more or fewer:
+    columns shared by stream K), and how many column blocks the layer has."""
 
-    Rows past 256 go to more row tiles (each dequantizes its weights again). K is split only for
-    a single row tile: half the splits that would fill one wave of resident blocks (measured on
-    H200 against the full wave and twice it: partial sums cost more than the extra occupancy gains).
+    bn: int
+    wg: int
+    blocks: int
+    columns: int
+
+    @property
+    def shared(self) -> bool:
+        return self.blocks != self.columns
+
+
+def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = None, wg: int | None = None,
+              blocks: int | None = None) -> WgConfig:
+    """The wgmma kernel's launch shape for M rows (``WgConfig``).
+
+    Rows past 256 go to more row tiles (each dequantizes its weights again), every block a whole
+    column. With one row tile the layer's columns x K groups are cut into WG_FILL waves of resident
+    blocks (stream K): no partial last wave, whatever the number of columns; a layer with many
+    waves of columns keeps whole columns.
     """
     tiles = -(-m // WG_BN[-1])
     if bn is None:
         bn = next(b for b in WG_BN if b * tiles >= m)
     if wg is None:
-        wg = 2
+        wg = 1 if bn == 16 else 2
     if (bn, wg) not in _WG_VARIANTS:
         raise ValueError(f"no wgmma kernel for {bn} rows per block with {wg} warpgroups")
-    tiles = -(-m // bn)
-    if splits is None or tiles > 1:
-        if tiles > 1:
-            splits = 1
-        else:
-            blocks_x = -(-p.ntiles // (4 * wg))
-            wave = max(1, min(p.kg, round(_wg_occupancy(bn, wg) * sm_count(device) / blocks_x)))
-            wave = -(-p.kg // -(-p.kg // wave))  # as launched: groups per split rounded up
-            splits = max(1, wave // 2)
-    gps = -(-p.kg // max(1, splits))
-    return bn, wg, -(-p.kg // gps), gps
+    columns = -(-p.ntiles // (4 * wg))
+    units = columns * p.kg
+    if -(-m // bn) > 1:
+        if blocks not in (None, columns):
+            raise ValueError(f"{m} rows take {-(-m // bn)} row tiles of {bn}: every block a whole column")
+        return WgConfig(bn, wg, columns, columns)
+    if blocks is None:
+        wave = _wg_occupancy(bn, wg) * sm_count(device)
+        blocks = columns if columns >= _WG_WHOLE_WAVES * wave else round(WG_FILL * wave)
+    return WgConfig(bn, wg, max(1, min(units, blocks)), columns)
+
+
+def wg_workspace(m: int, cfg: WgConfig) -> int:
+    """fp32 elements of the wgmma kernel's workspace (0 with whole columns)."""
+    return (cfg.blocks + cfg.columns) * m * 64 * cfg.wg if cfg.shared else 0
 
 
 def _prefetch(m: int) -> int:
@@ -409,7 +434,7 @@ def gemm_small_into(x2: torch.Tensor, p: PreparedNVFP4, out: torch.Tensor, *, tn
 
 
 def gemm_wg_into(x2: torch.Tensor, p: PreparedNVFP4, out: torch.Tensor, *, bn: int | None = None,
-                 wg: int | None = None, splits: int | None = None, workspace: torch.Tensor | None = None,
+                 wg: int | None = None, blocks: int | None = None, workspace: torch.Tensor | None = None,
                  prefetch: int | None = None) -> torch.Tensor:
     """wgmma kernel into ``out`` [M, N] (bf16, row stride N) for x2 [M, K] bf16, any M >= 1."""
     m = x2.shape[0]
@@ -417,14 +442,17 @@ def gemm_wg_into(x2: torch.Tensor, p: PreparedNVFP4, out: torch.Tensor, *, bn: i
         raise ValueError("the wgmma kernel needs at least one row")
     if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
         x2 = x2.contiguous()
-    bn, wg, splits, gps = wg_config(m, p, x2.device, bn, wg, splits)
-    _check_counters(p, splits, -(-p.ntiles // (4 * wg)))
-    ws = _workspace(splits, m, p, x2, workspace)
-    ws_ptr = 0 if ws is None else ws.data_ptr()
+    cfg = wg_config(m, p, x2.device, bn, wg, blocks)
+    _check_counters(p, 2 if cfg.shared else 1, cfg.columns)
+    need = wg_workspace(m, cfg)
+    ws = None
+    if need:
+        ws = workspace if workspace is not None and workspace.numel() >= need else \
+            torch.empty(need, dtype=torch.float32, device=x2.device)
     lib = _build.library()
     err = lib.qerl_nvfp4_gemm_wg(
-        bn, wg, p.wq.data_ptr(), x2.data_ptr(), out.data_ptr(), ws_ptr, p.counters.data_ptr(),
-        p.alpha.data_ptr(), m, p.n, p.k, x2.stride(0), out.stride(0), p.ntiles, p.kg, splits, gps,
+        cfg.bn, cfg.wg, p.wq.data_ptr(), x2.data_ptr(), out.data_ptr(), _ptr(ws), p.counters.data_ptr(),
+        p.alpha.data_ptr(), m, p.n, p.k, x2.stride(0), out.stride(0), p.ntiles, p.kg, cfg.blocks,
         WG_PREFETCH_GROUPS if prefetch is None else prefetch, _stream(x2.device),
     )
     _build.check(lib, err, "NVFP4 wgmma GEMM launch")
@@ -452,8 +480,10 @@ def matmul_epilogue(x2: torch.Tensor, p: PreparedNVFP4, bias: torch.Tensor | Non
 
 
 def small_epilogue(x2: torch.Tensor, p: PreparedNVFP4) -> bool:
-    """Whether the small-M kernel, and so its epilogue modes, runs for x2 @ W^T here."""
-    return available(x2) and kernel_path(x2.shape[0], p.n, p.k) == "small"
+    """Whether the small-M kernel, and so its epilogue modes, runs for x2 @ W^T here: up to
+    SMALL_PATH_MAX rows, where a plain product of some layers would take the wgmma kernel, the
+    fused epilogue keeps the small one (the decode step's launches)."""
+    return available(x2) and x2.shape[0] <= SMALL_PATH_MAX
 
 
 def matmul_residual(x2: torch.Tensor, p: PreparedNVFP4, bias: torch.Tensor | None, lora,  # noqa: ANN001
