@@ -27,7 +27,9 @@
 //
 // Medium M (gemm_wg_kernel, below): the same weight stream and dequantization feed Hopper's
 // warpgroup MMA (wgmma, register A operand) with the activations in a 4-stage shared-memory ring,
-// so 64 weight rows share one MMA per k16 step for up to 256 activation rows.
+// so 64 weight rows share one MMA per k16 step for up to 256 activation rows. Its grid is one wave
+// of resident blocks over the layer's columns x K groups laid end to end (stream K), so no wave
+// is left partial whatever the layer's width.
 //
 // Large M: a dequantizing pass writes bf16 weights and cuBLAS does the product.
 //

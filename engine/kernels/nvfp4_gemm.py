@@ -2,13 +2,13 @@
 
 Three paths on Hopper, picked per call from the number of activation rows M (``kernel_path``,
 crossovers measured on H200):
-- "small" (decode: up to 8 rows, and up to SMALL_PATH_MAX on wide layers and wherever the fused
-  epilogue is asked for): mma.sync with the weights dequantized in registers as the MMA's A
-  operand (see nvfp4_gemm.cu); a tile's K range split over warps of a block and over blocks, and
-  tiles per warp, by a rule measured per layer kind (small_config).
-- "wg" (from 9-17 rows up to 32-256, the larger the layer the further): the same dequantization
-  feeding warpgroup MMAs (wgmma) whose B operand, the activations, streams through a shared-memory
-  ring; the layer's columns x K groups cut into one wave of resident blocks (stream K, wg_config).
+- "small" (decode, M up to SMALL_PATH_MAX): mma.sync with the weights dequantized in registers as
+  the MMA's A operand (see nvfp4_gemm.cu); a tile's K range split over warps of a block and over
+  blocks, and tiles per warp, by a rule measured per layer kind (small_config).
+- "wg" (from SMALL_PATH_MAX + 1 rows up to 32-256, the larger the layer the further): the same
+  dequantization feeding warpgroup MMAs (wgmma) whose B operand, the activations, streams through
+  a shared-memory ring; the layer's columns x K groups cut into one wave of resident blocks
+  (stream K, wg_config).
 - "cublas" (the rest): one pass dequantizes to bf16 and cuBLAS multiplies, with the global scale
   as the GEMM's alpha so the output is rounded once.
 dx = dy @ W always takes the last path (training has large M; the base gets no gradient).
@@ -67,7 +67,6 @@ WG_BN = (16, 32, 64, 96, 128, 192, 256)
 _WG_VARIANTS = {(bn, 1) for bn in WG_BN if bn <= 128} | {(bn, 2) for bn in WG_BN}
 SMALL_PATH_MAX = int(os.environ.get("QERL_NVFP4_SMALL_MAX", "16"))
 WG_M_MAX = int(os.environ.get("QERL_NVFP4_WG_MAX", "256"))
-_WG_NARROW_ROWS = 32768  # from 9 rows, layers of at most this many output rows take the wgmma kernel
 WG_PREFETCH_GROUPS = int(os.environ.get("QERL_NVFP4_WG_PREFETCH", "2"))
 # Blocks of the wgmma kernel with one row tile, in waves of resident blocks (stream K), unless the
 # layer has at least _WG_WHOLE_WAVES waves of column blocks.
@@ -183,11 +182,11 @@ def _m_tiles(m: int) -> int:
 
 def kernel_path(m: int, n: int, k: int) -> str:
     """"small", "wg" or "cublas" for a plain product of M rows of an [n, k] layer (crossovers
-    measured on H200, benchmarks/gemm_nvfp4.py --sweep-wg): the small kernel up to 8 rows, and
-    up to SMALL_PATH_MAX on wide layers (gate/up); the wgmma kernel (stream K) from there on, up to
-    the more rows the larger the layer; dequantize + cuBLAS beyond."""
+    measured on H200, benchmarks/gemm_nvfp4.py --sweep-wg): the small kernel up to SMALL_PATH_MAX
+    rows, the wgmma kernel (stream K) from there on, up to the more rows the larger the layer;
+    dequantize + cuBLAS beyond."""
     weights = n * k
-    if m <= SMALL_PATH_MAX and (m <= 8 or n > _WG_NARROW_ROWS):
+    if m <= SMALL_PATH_MAX:
         return "small"
     if m <= 32 or (m <= 64 and weights >= 15e6) or (m <= 128 and weights >= 30e6) or \
             (m <= WG_M_MAX and weights >= 100e6):
@@ -480,10 +479,8 @@ def matmul_epilogue(x2: torch.Tensor, p: PreparedNVFP4, bias: torch.Tensor | Non
 
 
 def small_epilogue(x2: torch.Tensor, p: PreparedNVFP4) -> bool:
-    """Whether the small-M kernel, and so its epilogue modes, runs for x2 @ W^T here: up to
-    SMALL_PATH_MAX rows, where a plain product of some layers would take the wgmma kernel, the
-    fused epilogue keeps the small one (the decode step's launches)."""
-    return available(x2) and x2.shape[0] <= SMALL_PATH_MAX
+    """Whether the small-M kernel, and so its epilogue modes, runs for x2 @ W^T here."""
+    return available(x2) and kernel_path(x2.shape[0], p.n, p.k) == "small"
 
 
 def matmul_residual(x2: torch.Tensor, p: PreparedNVFP4, bias: torch.Tensor | None, lora,  # noqa: ANN001
