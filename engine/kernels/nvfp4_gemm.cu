@@ -643,7 +643,8 @@ __global__ void __launch_bounds__(kWarps * 32, MT * TNW == 1 ? 4 : (MT * TNW <= 
 // nb * 288 + p * 144 bytes, step j at j * (36 BN + 32). The paddings make the 32 lanes of one
 // copy instruction (rows n and n+4, halves p, steps j and j+1, lane quads t) hit 32 different
 // banks. One barrier per chunk: it publishes chunk c and frees the stage of chunk c-1, which
-// the chunk c+3 copies then overwrite.
+// the chunk c+3 copies then overwrite (16-row blocks); from 32 rows the copies run two chunks
+// ahead and overwrite chunk c-2's stage, so chunk c-1's last wgmma may still be in flight.
 constexpr int kCoreLbo = 144;  // bytes between the two k halves of a step (wgmma "leading" offset)
 constexpr int kCoreSbo = 288;  // bytes between 8-row blocks (wgmma "stride" offset)
 
@@ -839,6 +840,10 @@ __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
   constexpr int kWidth = kTiles * 16;       // output columns per column block
   constexpr int kRoundRows = 8 * WG;        // activation rows one copy round covers
   constexpr int kRounds = BN / kRoundRows;  // copy rounds per chunk
+  // chunks of activations requested ahead: three with 16-row blocks; from 32 rows two, so that a
+  // chunk's last wgmma stays in flight across the next chunk's barrier (measured: 1-4% faster
+  // from 32 rows, 5-10% slower at 16)
+  constexpr int kAhead = BN >= 32 ? 2 : 3;
   static_assert(BN % kRoundRows == 0, "BN must be a multiple of 8 * WG");
   extern __shared__ __align__(128) char wg_smem[];
   __shared__ int is_last;
@@ -911,8 +916,10 @@ __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
     asm volatile("cp.async.commit_group;" ::: "memory");
     issue(0, 1);
     asm volatile("cp.async.commit_group;" ::: "memory");
-    issue(0, 2);
-    asm volatile("cp.async.commit_group;" ::: "memory");
+    if constexpr (kAhead == 3) {
+      issue(0, 2);
+      asm volatile("cp.async.commit_group;" ::: "memory");
+    }
     fence_acc(acc);
 
     for (int gi = g0; gi < g1; ++gi) {
@@ -922,11 +929,11 @@ __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
       if (active && more) sn = sload(1);
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        asm volatile("cp.async.wait_group 2;" ::: "memory");  // chunk c of this group has landed
+        asm volatile("cp.async.wait_group %0;" ::"n"(kAhead - 1) : "memory");  // chunk c has landed
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         __syncthreads();
-        if (c == 0) issue(0, 3);
-        else if (more) issue(1, c - 1);
+        if (c + kAhead < 4) issue(0, c + kAhead);
+        else if (more) issue(1, c + kAhead - 4);
         asm volatile("cp.async.commit_group;" ::: "memory");
         if (active) {
           uint32_t sg, sg8;
@@ -942,7 +949,7 @@ __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
             wg_fence(a);
             wgmma_bf16<BN>(acc, a, desc0 + ((c * T::kStage + j * T::kStep) >> 4));
             wg_commit();
-            if (j < 3) wg_wait<1>();
+            if (j < 3 || kAhead == 2) wg_wait<1>();
             else wg_wait<0>();
           }
           if (more) wb[c] = ld_stream(wptr + kGroup + c * 32);
@@ -953,6 +960,7 @@ __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
       xsrc += 256;
       krem -= 256;
     }
+    wg_wait<0>();
     asm volatile("cp.async.wait_group 0;" ::: "memory");
     fence_acc(acc);
     __syncthreads();  // every warpgroup is done with the ring before the next segment refills it
