@@ -101,7 +101,7 @@ class Layer:
         m = x.shape[0]
         outs = torch.empty(m, self.n, dtype=torch.bfloat16, device="cuda")
         cfg = gemm.small_config(m, self.fp4[0], x.device, tnw, splits, wpt)
-        ws = gemm._workspace(cfg.splits, m, self.fp4[0], x, None)  # one for every call of the graph
+        ws = gemm._workspace(gemm.small_workspace(m, self.fp4[0], cfg.splits), x, None)  # one for all calls
         calls = [lambda p=p: gemm.gemm_small_into(x, p, outs, tnw=tnw, splits=splits, prefetch=prefetch, wpt=wpt,
                                                   workspace=ws) for p in self.fp4]
         if serial:
@@ -117,8 +117,7 @@ class Layer:
         m = x.shape[0]
         outs = torch.empty(m, self.n, dtype=torch.bfloat16, device="cuda")
         cfg = gemm.wg_config(m, self.fp4[0], x.device, bn, wg, blocks)
-        need = gemm.wg_workspace(m, cfg)
-        ws = torch.empty(need, device="cuda") if need else None
+        ws = gemm._workspace(gemm.wg_workspace(m, cfg), x, None)  # one for every call of the graph
         return time_calls([lambda p=p: gemm.gemm_wg_into(x, p, outs, bn=bn, wg=wg, blocks=blocks, workspace=ws,
                                                          prefetch=prefetch) for p in self.fp4])
 

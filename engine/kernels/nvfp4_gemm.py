@@ -112,12 +112,16 @@ def split_counters(ntiles: int, device: torch.device) -> torch.Tensor:
     return torch.zeros(ntiles, dtype=torch.int32, device=device)
 
 
-def _workspace(splits: int, m: int, p: PreparedNVFP4, like: torch.Tensor,
-               given: torch.Tensor | None) -> torch.Tensor | None:
-    """The fp32 split-K partial sums (None without split K); the caller keeps it alive over the launch."""
-    if splits <= 1:
+def small_workspace(m: int, p: PreparedNVFP4, splits: int) -> int:
+    """fp32 elements of the small-M kernel's split-K workspace (0 without split K)."""
+    return splits * m * p.ntiles * 16 if splits > 1 else 0
+
+
+def _workspace(need: int, like: torch.Tensor, given: torch.Tensor | None) -> torch.Tensor | None:
+    """A kernel's fp32 workspace of ``need`` elements (None for 0): ``given`` where it is large
+    enough, else a new one; the caller keeps it alive over the launch."""
+    if need == 0:
         return None
-    need = splits * m * p.ntiles * 16
     if given is None or given.numel() < need:
         given = torch.empty(need, dtype=torch.float32, device=like.device)
     return given
@@ -185,9 +189,9 @@ def kernel_path(m: int, n: int, k: int) -> str:
     measured on H200, benchmarks/gemm_nvfp4.py --sweep-wg): the small kernel up to SMALL_PATH_MAX
     rows, the wgmma kernel (stream K) from there on, up to the more rows the larger the layer;
     dequantize + cuBLAS beyond."""
-    weights = n * k
     if m <= SMALL_PATH_MAX:
         return "small"
+    weights = n * k
     if m <= 32 or (m <= 64 and weights >= 15e6) or (m <= 128 and weights >= 30e6) or \
             (m <= WG_M_MAX and weights >= 100e6):
         return "wg"
@@ -292,9 +296,10 @@ def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = N
         raise ValueError(f"no wgmma kernel for {bn} rows per block with {wg} warpgroups")
     columns = -(-p.ntiles // (4 * wg))
     units = columns * p.kg
-    if -(-m // bn) > 1:
+    tiles = -(-m // bn)
+    if tiles > 1:
         if blocks not in (None, columns):
-            raise ValueError(f"{m} rows take {-(-m // bn)} row tiles of {bn}: every block a whole column")
+            raise ValueError(f"{m} rows take {tiles} row tiles of {bn}: every block a whole column")
         return WgConfig(bn, wg, columns, columns)
     if blocks is None:
         wave = _wg_occupancy(bn, wg) * sm_count(device)
@@ -386,10 +391,10 @@ def _mode_args(m: int, k: int, ldy: int, n: int, residual, norm: RowNorm | None)
             1 if a is None else a.shape[0], ctypes.c_float(eps))
 
 
-def _check_counters(p: PreparedNVFP4, splits: int, blocks_x: int) -> None:
-    """Split K takes one ticket per column block."""
-    if splits > 1 and p.counters.numel() < blocks_x:
-        raise ValueError(f"split K over {blocks_x} column blocks needs as many counters, the layer has "
+def _check_counters(p: PreparedNVFP4, shared: bool, columns: int) -> None:
+    """Columns shared between blocks (split or stream K) take one ticket per column block."""
+    if shared and p.counters.numel() < columns:
+        raise ValueError(f"split K over {columns} column blocks needs as many counters, the layer has "
                          f"{p.counters.numel()}: make it with prepare_tensors")
 
 
@@ -418,8 +423,8 @@ def gemm_small_into(x2: torch.Tensor, p: PreparedNVFP4, out: torch.Tensor, *, tn
     if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
         x2 = x2.contiguous()
     mt, tnw, splits, gps, wpt = small_config(m, p, x2.device, tnw, splits, wpt)
-    _check_counters(p, splits, small_column_blocks(p, tnw, wpt))
-    ws = _workspace(splits, m, p, x2, workspace)
+    _check_counters(p, splits > 1, small_column_blocks(p, tnw, wpt))
+    ws = _workspace(small_workspace(m, p, splits), x2, workspace)
     ws_ptr = 0 if ws is None else ws.data_ptr()
     lib = _build.library()
     err = lib.qerl_nvfp4_gemm_small(
@@ -442,12 +447,8 @@ def gemm_wg_into(x2: torch.Tensor, p: PreparedNVFP4, out: torch.Tensor, *, bn: i
     if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
         x2 = x2.contiguous()
     cfg = wg_config(m, p, x2.device, bn, wg, blocks)
-    _check_counters(p, 2 if cfg.shared else 1, cfg.columns)
-    need = wg_workspace(m, cfg)
-    ws = None
-    if need:
-        ws = workspace if workspace is not None and workspace.numel() >= need else \
-            torch.empty(need, dtype=torch.float32, device=x2.device)
+    _check_counters(p, cfg.shared, cfg.columns)
+    ws = _workspace(wg_workspace(m, cfg), x2, workspace)
     lib = _build.library()
     err = lib.qerl_nvfp4_gemm_wg(
         cfg.bn, cfg.wg, p.wq.data_ptr(), x2.data_ptr(), out.data_ptr(), _ptr(ws), p.counters.data_ptr(),
