@@ -117,7 +117,7 @@ class Layer:
         m = x.shape[0]
         outs = torch.empty(m, self.n, dtype=torch.bfloat16, device="cuda")
         cfg = gemm.wg_config(m, self.fp4[0], x.device, bn, wg, blocks)
-        ws = gemm._workspace(gemm.wg_workspace(m, cfg), x, None)  # one for every call of the graph
+        ws = gemm._workspace(gemm.wg_workspace(m, cfg, self.fp4[0].kg), x, None)  # one for every call of the graph
         return time_calls([lambda p=p: gemm.gemm_wg_into(x, p, outs, bn=bn, wg=wg, blocks=blocks, workspace=ws,
                                                          prefetch=prefetch) for p in self.fp4])
 

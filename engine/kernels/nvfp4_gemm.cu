@@ -638,13 +638,20 @@ __global__ void __launch_bounds__(kWarps * 32, MT * TNW == 1 ? 4 : (MT * TNW <= 
 //
 // Activations (the B operand, read by wgmma from shared memory): a ring of 4 chunk stages (64
 // inputs x BN rows). The MMA's input permutation inside a chunk moves 2-input (4-byte) pieces, so
-// the ring is filled by 4-byte cp.async (zero-filled past M and K). Each k16 step is stored as
-// wgmma's K-major "core matrices" (8 rows x 16 bytes): core (row block nb, k half p) at
+// the ring is filled by 4-byte cp.async (rows past M copy the tile's first row, whose sums are
+// never written; pieces past K are zero-filled, checked only in the chunk where K ends). Each k16
+// step is stored as wgmma's K-major "core matrices" (8 rows x 16 bytes): core (row block nb, k half p) at
 // nb * 288 + p * 144 bytes, step j at j * (36 BN + 32). The paddings make the 32 lanes of one
 // copy instruction (rows n and n+4, halves p, steps j and j+1, lane quads t) hit 32 different
 // banks. One barrier per chunk: it publishes chunk c and frees the stage of chunk c-1, which
 // the chunk c+3 copies then overwrite (16-row blocks); from 32 rows the copies run two chunks
 // ahead and overwrite chunk c-2's stage, so chunk c-1's last wgmma may still be in flight.
+// Blocks of kPermutedRows rows or more (their copies cost the most instructions) read instead a
+// copy of the activations that permute_x_kernel writes first in the MMA's input order (zeros past
+// M, to the row tile's end, and past K, to whole groups): one 16-byte cp.async per core-matrix row,
+// through L1 (.ca) like the 4-byte copies (through L2 alone, .cg, it read twice the L2 sectors).
+// Blocks of at least this many rows read a permuted copy of the activations (see above).
+constexpr int kPermutedRows = 128;
 constexpr int kCoreLbo = 144;  // bytes between the two k halves of a step (wgmma "leading" offset)
 constexpr int kCoreSbo = 288;  // bytes between 8-row blocks (wgmma "stride" offset)
 
@@ -863,7 +870,19 @@ __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
   const uint32_t dst0 =
       sbase + cjb * T::kStep + cp * kCoreLbo + (nlo >> 3) * kCoreSbo + (nlo & 7) * 16 + 4 * t;
   const int rows_left = M - m0 - nlo;
-  const size_t round_stride = (size_t)kRoundRows * ldx;
+  // permuted (BN >= kPermutedRows; x is the permuted copy, ldx its row length, rows to the tile's
+  // end): piece i = (row n = i / 8, step j, half h = i % 8) of a chunk, 16 bytes
+  constexpr bool kPermuted = BN >= kPermutedRows;
+  constexpr int kPieces = BN * 8, kPer = (kPieces + WG * 128 - 1) / (WG * 128);
+  uint32_t pdst[kPer];
+  int psrc[kPer];
+#pragma unroll
+  for (int r = 0; r < kPer; ++r) {
+    const int i = threadIdx.x + r * WG * 128, n = i >> 3, jh = i & 7;
+    pdst[r] = sbase + (jh >> 1) * T::kStep + (jh & 1) * kCoreLbo + (n >> 3) * kCoreSbo + (n & 7) * 16;
+    psrc[r] = (m0 + n) * ldx + jh * 8;
+  }
+  const bool copier = kPieces % (WG * 128) == 0 || threadIdx.x < kPieces;
 
   bool first = true;
   for (long long u = b * units / blocks; u < u_end;) {
@@ -878,19 +897,37 @@ __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
 
-    const uint16_t* xsrc =
-        x + (size_t)(m0 + (rows_left > 0 ? nlo : 0)) * ldx + 16 * t + 4 * cjb + 2 * cp + (size_t)g0 * 256;
-    int krem = K - g0 * 256 - 16 * t;  // inputs left from this lane's piece of the current group
+    // this lane's pieces of round q start at xb + xo[q] (the current group); rows past M read the
+    // tile's first row, so only a chunk that K ends needs checks (and zeros)
+    const uint16_t* xb =
+        kPermuted ? x + (size_t)g0 * 256 : x + (size_t)m0 * ldx + 16 * t + 4 * cjb + 2 * cp + (size_t)g0 * 256;
+    int xo[kRounds];
+#pragma unroll
+    for (int q = 0; q < kRounds; ++q) xo[q] = q * kRoundRows < rows_left ? (nlo + q * kRoundRows) * ldx : 0;
+    int kc = K - g0 * 256;  // inputs of K from the current group's start
     auto issue = [&](int goff, int cc) {  // chunk cc of group (current + goff) into stage cc
-      const bool kok = goff * 256 + cc * 64 < krem;
+      const uint32_t dst = dst0 + cc * T::kStage;
+      if constexpr (kPermuted) {
 #pragma unroll
-      for (int q = 0; q < kRounds; ++q) {
-        const bool ok = kok && q * kRoundRows < rows_left;
-        const uint16_t* src = xsrc + q * round_stride + goff * 256 + cc * 64;
+        for (int r = 0; r < kPer; ++r)
+          if (r + 1 < kPer || copier)
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(pdst[r] + cc * T::kStage),
+                         "l"(xb + psrc[r] + goff * 256 + cc * 64));
+      } else if (goff * 256 + cc * 64 + 64 <= kc) {  // the whole chunk is inside K (uniform)
 #pragma unroll
-        for (int a = 0; a < 2; ++a)
-          cp_async4(dst0 + cc * T::kStage + 2 * a * T::kStep + q * (kRoundRows / 8) * kCoreSbo,
-                    ok ? src + 8 * a : x, ok);
+        for (int q = 0; q < kRounds; ++q)
+#pragma unroll
+          for (int a = 0; a < 2; ++a)
+            cp_async4(dst + 2 * a * T::kStep + q * (kRoundRows / 8) * kCoreSbo, xb + xo[q] + goff * 256 + cc * 64 + 8 * a,
+                      true);
+      } else {
+        const bool ok = goff * 256 + cc * 64 + 16 * t < kc;
+#pragma unroll
+        for (int q = 0; q < kRounds; ++q)
+#pragma unroll
+          for (int a = 0; a < 2; ++a)
+            cp_async4(dst + 2 * a * T::kStep + q * (kRoundRows / 8) * kCoreSbo,
+                      ok ? xb + xo[q] + goff * 256 + cc * 64 + 8 * a : x, ok);
       }
     };
 
@@ -957,8 +994,8 @@ __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
       }
       sc = sn;
       wptr += kGroup;
-      xsrc += 256;
-      krem -= 256;
+      xb += 256;
+      kc -= 256;
     }
     wg_wait<0>();
     asm volatile("cp.async.wait_group 0;" ::: "memory");
@@ -1046,6 +1083,25 @@ __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
     }
     u += g1 - g0;
   }
+}
+
+// The wgmma kernel's permuted activations: x [M, K] (row stride ldx) -> xp [rows, kpad] with each
+// k16 step's two halves as 8 contiguous inputs (inputs 16 (e / 2) + 4 j + 2 h + e % 2 of a chunk
+// at 16 j + 8 h + e), zeros past M and K. One thread per 16-byte piece of xp.
+__global__ void __launch_bounds__(256) permute_x_kernel(const uint16_t* __restrict__ x, uint16_t* __restrict__ xp,
+                                                         int M, int K, int ldx, int rows, int kpad) {
+  const long long i = (long long)blockIdx.x * 256 + threadIdx.x;
+  const int per_row = kpad / 8;
+  pdl_wait_then_release();
+  if (i >= (long long)rows * per_row) return;
+  const int r = (int)(i / per_row), pc = (int)(i % per_row), ch = pc >> 3, j = (pc & 7) >> 1, h = pc & 1;
+  uint32_t v[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int k = ch * 64 + 16 * q + 4 * j + 2 * h;
+    v[q] = r < M && k < K ? __ldg(reinterpret_cast<const uint32_t*>(x + (size_t)r * ldx + k)) : 0u;
+  }
+  *reinterpret_cast<uint4*>(xp + (size_t)r * kpad + pc * 8) = make_uint4(v[0], v[1], v[2], v[3]);
 }
 
 // Weights back to bf16 [N, K] (times 2^-7, exact) for the cuBLAS path and the backward pass.
@@ -1232,17 +1288,29 @@ int qerl_nvfp4_gemm_small(int mt, int tnw, int wpt, const void* wq, const void* 
 // one block per column block (ncols, whole columns) to ncols * kg (one group each); other than
 // ncols it shares columns between blocks (stream K), which needs the workspace, (blocks + ncols)
 // slots of M x 64 wg floats, and a single row tile. Rows past bn go to further blocks along z.
-int qerl_nvfp4_gemm_wg(int bn, int wg, const void* wq, const void* x, void* y, void* ws,
+// From kPermutedRows rows per block xp (bf16, mtiles * bn rows of kg * 256) takes the permuted
+// activations, written by a kernel of its own launched first.
+int qerl_nvfp4_gemm_wg(int bn, int wg, const void* wq, const void* x, void* y, void* ws, void* xp,
                        void* counters, const void* alpha, int M, int N, int K, int ldx, int ldy,
                        int ntiles, int kg, int blocks, int pf, void* stream) {
   const Variant v = pick_wg(bn, wg);
   const int mtiles = (M + bn - 1) / bn;
   int ncols = (ntiles + 4 * wg - 1) / (4 * wg);
   if (v.fn == nullptr || blocks < 1 || (long long)blocks > (long long)ncols * kg ||
-      (blocks != ncols && (mtiles > 1 || ws == nullptr)))
+      (blocks != ncols && (mtiles > 1 || ws == nullptr)) || (bn >= kPermutedRows && xp == nullptr))
     return (int)cudaErrorInvalidValue;
   cudaError_t err = allow_smem(v);
   if (err != cudaSuccess) return (int)err;
+  if (bn >= kPermutedRows) {  // the activations in the MMA's input order first
+    int rows = mtiles * bn, kpad = kg * 256;
+    const long long pieces = (long long)rows * kpad / 8;
+    void* pargs[] = {const_cast<void**>(&x), &xp, &M, &K, &ldx, &rows, &kpad};
+    err = launch(reinterpret_cast<void*>(&permute_x_kernel), dim3((unsigned)((pieces + 255) / 256)), dim3(256), 0,
+                 stream, pargs);
+    if (err != cudaSuccess) return (int)err;
+    x = xp;
+    ldx = kpad;
+  }
   dim3 grid(blocks, 1, mtiles);
   void* args[] = {&wq, &x, &y, &ws, &counters, &alpha, &M, &N, &K,
                   &ldx, &ldy, &ntiles, &kg, &ncols, &pf};

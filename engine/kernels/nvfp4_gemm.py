@@ -7,7 +7,8 @@ crossovers measured on H200):
   blocks, and tiles per warp, by a rule measured per layer kind (small_config).
 - "wg" (from SMALL_PATH_MAX + 1 rows up to 32-256, the larger the layer the further): the same
   dequantization feeding warpgroup MMAs (wgmma) whose B operand, the activations, streams through
-  a shared-memory ring; the layer's columns x K groups cut into one wave of resident blocks
+  a shared-memory ring (from WG_PERMUTED_ROWS rows per block out of a copy of them in the MMA's
+  input order, written first); the layer's columns x K groups cut into one wave of resident blocks
   (stream K, wg_config).
 - "cublas" (the rest): one pass dequantizes to bf16 and cuBLAS multiplies, with the global scale
   as the GEMM's alpha so the output is rounded once.
@@ -71,6 +72,10 @@ WG_PREFETCH_GROUPS = int(os.environ.get("QERL_NVFP4_WG_PREFETCH", "2"))
 # Blocks of the wgmma kernel with one row tile, in waves of resident blocks (stream K), unless the
 # layer has at least _WG_WHOLE_WAVES waves of column blocks.
 WG_FILL = float(os.environ.get("QERL_NVFP4_WG_FILL", "1"))
+# Blocks of this many activation rows or more read a permuted copy of the activations that a
+# kernel of its own writes first (16-byte copies; the same as kPermutedRows in nvfp4_gemm.cu):
+# measured 10-24% faster at 128 rows, mixed at 64, slower at 32 (benchmarks/RESULTS.md).
+WG_PERMUTED_ROWS = 128
 _WG_WHOLE_WAVES = 4
 
 
@@ -307,9 +312,17 @@ def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = N
     return WgConfig(bn, wg, max(1, min(units, blocks)), columns)
 
 
-def wg_workspace(m: int, cfg: WgConfig) -> int:
-    """fp32 elements of the wgmma kernel's workspace (0 with whole columns)."""
-    return (cfg.blocks + cfg.columns) * m * 64 * cfg.wg if cfg.shared else 0
+def wg_permuted(m: int, cfg: WgConfig, kg: int) -> int:
+    """fp32 elements that the activations in the MMA's input order take in the wgmma kernel's
+    workspace (bf16, rows to the last row tile's end, K to whole groups), 0 below
+    WG_PERMUTED_ROWS rows per block (kPermutedRows in nvfp4_gemm.cu)."""
+    return -(-m // cfg.bn) * cfg.bn * kg * 128 if cfg.bn >= WG_PERMUTED_ROWS else 0
+
+
+def wg_workspace(m: int, cfg: WgConfig, kg: int) -> int:
+    """fp32 elements of the wgmma kernel's workspace: the permuted activations (``wg_permuted``),
+    then, when columns are shared, the partial sums."""
+    return wg_permuted(m, cfg, kg) + ((cfg.blocks + cfg.columns) * m * 64 * cfg.wg if cfg.shared else 0)
 
 
 def _prefetch(m: int) -> int:
@@ -448,10 +461,12 @@ def gemm_wg_into(x2: torch.Tensor, p: PreparedNVFP4, out: torch.Tensor, *, bn: i
         x2 = x2.contiguous()
     cfg = wg_config(m, p, x2.device, bn, wg, blocks)
     _check_counters(p, cfg.shared, cfg.columns)
-    ws = _workspace(wg_workspace(m, cfg), x2, workspace)
+    ws = _workspace(wg_workspace(m, cfg, p.kg), x2, workspace)
+    xp = wg_permuted(m, cfg, p.kg)
     lib = _build.library()
     err = lib.qerl_nvfp4_gemm_wg(
-        cfg.bn, cfg.wg, p.wq.data_ptr(), x2.data_ptr(), out.data_ptr(), _ptr(ws), p.counters.data_ptr(),
+        cfg.bn, cfg.wg, p.wq.data_ptr(), x2.data_ptr(), out.data_ptr(), _ptr(ws[xp:]) if cfg.shared else None,
+        _ptr(ws) if xp else None, p.counters.data_ptr(),
         p.alpha.data_ptr(), m, p.n, p.k, x2.stride(0), out.stride(0), p.ntiles, p.kg, cfg.blocks,
         WG_PREFETCH_GROUPS if prefetch is None else prefetch, _stream(x2.device),
     )
