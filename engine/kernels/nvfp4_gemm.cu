@@ -650,7 +650,6 @@ __global__ void __launch_bounds__(kWarps * 32, MT * TNW == 1 ? 4 : (MT * TNW <= 
 // copy of the activations that permute_x_kernel writes first in the MMA's input order (zeros past
 // M, to the row tile's end, and past K, to whole groups): one 16-byte cp.async per core-matrix row,
 // through L1 (.ca) like the 4-byte copies (through L2 alone, .cg, it read twice the L2 sectors).
-// Blocks of at least this many rows read a permuted copy of the activations (see above).
 constexpr int kPermutedRows = 128;
 constexpr int kCoreLbo = 144;  // bytes between the two k halves of a step (wgmma "leading" offset)
 constexpr int kCoreSbo = 288;  // bytes between 8-row blocks (wgmma "stride" offset)
@@ -870,8 +869,8 @@ __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
   const uint32_t dst0 =
       sbase + cjb * T::kStep + cp * kCoreLbo + (nlo >> 3) * kCoreSbo + (nlo & 7) * 16 + 4 * t;
   const int rows_left = M - m0 - nlo;
-  // permuted (BN >= kPermutedRows; x is the permuted copy, ldx its row length, rows to the tile's
-  // end): piece i = (row n = i / 8, step j, half h = i % 8) of a chunk, 16 bytes
+  // permuted copies (BN >= kPermutedRows; x is the permuted copy, ldx its row length, rows to the
+  // tile's end): piece i of a chunk is row n = i / 8, step j = i % 8 / 2, half h = i % 2, 16 bytes
   constexpr bool kPermuted = BN >= kPermutedRows;
   constexpr int kPieces = BN * 8, kPer = (kPieces + WG * 128 - 1) / (WG * 128);
   uint32_t pdst[kPer];
@@ -897,8 +896,8 @@ __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
 
-    // this lane's pieces of round q start at xb + xo[q] (the current group); rows past M read the
-    // tile's first row, so only a chunk that K ends needs checks (and zeros)
+    // direct copies: this lane's pieces of round q start at xb + xo[q] (the current group); rows
+    // past M read the tile's first row, so only the chunk where K ends needs checks (and zeros)
     const uint16_t* xb =
         kPermuted ? x + (size_t)g0 * 256 : x + (size_t)m0 * ldx + 16 * t + 4 * cjb + 2 * cp + (size_t)g0 * 256;
     int xo[kRounds];
@@ -918,8 +917,8 @@ __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
         for (int q = 0; q < kRounds; ++q)
 #pragma unroll
           for (int a = 0; a < 2; ++a)
-            cp_async4(dst + 2 * a * T::kStep + q * (kRoundRows / 8) * kCoreSbo, xb + xo[q] + goff * 256 + cc * 64 + 8 * a,
-                      true);
+            cp_async4(dst + 2 * a * T::kStep + q * (kRoundRows / 8) * kCoreSbo,
+                      xb + xo[q] + goff * 256 + cc * 64 + 8 * a, true);
       } else {
         const bool ok = goff * 256 + cc * 64 + 16 * t < kc;
 #pragma unroll

@@ -74,7 +74,8 @@ WG_PREFETCH_GROUPS = int(os.environ.get("QERL_NVFP4_WG_PREFETCH", "2"))
 WG_FILL = float(os.environ.get("QERL_NVFP4_WG_FILL", "1"))
 # Blocks of this many activation rows or more read a permuted copy of the activations that a
 # kernel of its own writes first (16-byte copies; the same as kPermutedRows in nvfp4_gemm.cu):
-# measured 10-24% faster at 128 rows, mixed at 64, slower at 32 (benchmarks/RESULTS.md).
+# measured 7-21% faster than the direct copies at 128 rows, mixed at 64, slower at 32
+# (benchmarks/RESULTS.md).
 WG_PERMUTED_ROWS = 128
 _WG_WHOLE_WAVES = 4
 
