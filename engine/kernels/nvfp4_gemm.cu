@@ -881,7 +881,7 @@ __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
     pdst[r] = sbase + (jh >> 1) * T::kStep + (jh & 1) * kCoreLbo + (n >> 3) * kCoreSbo + (n & 7) * 16;
     psrc[r] = (m0 + n) * ldx + jh * 8;
   }
-  const bool copier = kPieces % (WG * 128) == 0 || threadIdx.x < kPieces;
+  static_assert(!kPermuted || kPieces % (WG * 128) == 0, "every thread copies kPer pieces");
 
   bool first = true;
   for (long long u = b * units / blocks; u < u_end;) {
@@ -909,9 +909,8 @@ __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
       if constexpr (kPermuted) {
 #pragma unroll
         for (int r = 0; r < kPer; ++r)
-          if (r + 1 < kPer || copier)
-            asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(pdst[r] + cc * T::kStage),
-                         "l"(xb + psrc[r] + goff * 256 + cc * 64));
+          asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(pdst[r] + cc * T::kStage),
+                       "l"(xb + psrc[r] + goff * 256 + cc * 64));
       } else if (goff * 256 + cc * 64 + 64 <= kc) {  // the whole chunk is inside K (uniform)
 #pragma unroll
         for (int q = 0; q < kRounds; ++q)
