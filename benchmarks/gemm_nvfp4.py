@@ -36,7 +36,7 @@ SHAPES = {
     "14b": {"qkv": (7168, 5120), "o": (5120, 5120), "gate_up": (27648, 5120), "down": (5120, 13824)},
     "32b": {"qkv": (7168, 5120), "o": (5120, 5120), "gate_up": (55296, 5120), "down": (5120, 27648)},
 }
-MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
+MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 ROTATE_BYTES = 300e6
 CEILING = 16 / 4.5
 
@@ -229,27 +229,29 @@ def sweep_wg(models, ms, out_json):
             ts = layer.time_small(x, *gemm.small_config(m, p, x.device)[1:3]) if m <= gemm.SMALL_M_MAX else float("nan")
             bn0 = gemm.wg_config(m, p, dev).bn
             res = {}
-            for wg in (1, 2):
-                if (bn0, wg) not in gemm._WG_VARIANTS:
-                    continue
-                cols = gemm.wg_config(m, p, dev, bn0, wg).columns
-                wave = gemm._wg_occupancy(bn0, wg) * gemm.sm_count(dev)
-                tries = {cols} if -(-m // bn0) > 1 else {cols} | {max(1, round(f * wave)) for f in (0.5, 1, 1.5, 2)}
-                for blocks in sorted(tries):
-                    eff = gemm.wg_config(m, p, dev, bn0, wg, blocks).blocks
-                    if (wg, eff) not in res:
-                        res[(wg, eff)] = layer.time_wg(x, bn0, wg, eff)
+            # the automatic block size, and half of it (twice the row tiles, whole columns)
+            for bn in (bn0, bn0 // 2) if bn0 // 2 in gemm.WG_BN else (bn0,):
+                for wg in (1, 2):
+                    if (bn, wg) not in gemm._WG_VARIANTS:
+                        continue
+                    cols = gemm.wg_config(m, p, dev, bn, wg).columns
+                    wave = gemm._wg_occupancy(bn, wg) * gemm.sm_count(dev)
+                    tries = {cols} if -(-m // bn) > 1 else {cols} | {max(1, round(f * wave)) for f in (0.5, 1, 1.5, 2)}
+                    for blocks in sorted(tries):
+                        eff = gemm.wg_config(m, p, dev, bn, wg, blocks).blocks
+                        if (bn, wg, eff) not in res:
+                            res[(bn, wg, eff)] = layer.time_wg(x, bn, wg, eff)
             best = min(res.items(), key=lambda kv: kv[1])
             auto_cfg = gemm.wg_config(m, p, dev)
-            t_auto = res.get((auto_cfg.wg, auto_cfg.blocks), float("nan"))
-            cells = " ".join(f"g{a}b{b}:{v:.1f}" for (a, b), v in sorted(res.items()))
-            print(f"{model:>4} {name:>7} M={m:<4} bf16 {tb:7.1f} cuBLAS-path {tl:7.1f} small {ts:7.1f} | wg n{bn0} "
-                  f"auto g{auto_cfg.wg}b{auto_cfg.blocks}/{auto_cfg.columns} {t_auto:6.1f} x{tb / t_auto:4.2f} "
-                  f"best g{best[0][0]}b{best[0][1]} {best[1]:6.1f} x{tb / best[1]:4.2f} (small x{tb / ts:4.2f}, "
-                  f"cuBLAS x{tb / tl:4.2f}) | {cells}", flush=True)
+            t_auto = res.get((auto_cfg.bn, auto_cfg.wg, auto_cfg.blocks), float("nan"))
+            cells = " ".join(f"n{c}g{a}b{b}:{v:.1f}" for (c, a, b), v in sorted(res.items()))
+            print(f"{model:>4} {name:>7} M={m:<4} bf16 {tb:7.1f} cuBLAS-path {tl:7.1f} small {ts:7.1f} | wg "
+                  f"auto n{auto_cfg.bn}g{auto_cfg.wg}b{auto_cfg.blocks}/{auto_cfg.columns} {t_auto:6.1f} "
+                  f"x{tb / t_auto:4.2f} best n{best[0][0]}g{best[0][1]}b{best[0][2]} {best[1]:6.1f} "
+                  f"x{tb / best[1]:4.2f} (small x{tb / ts:4.2f}, cuBLAS x{tb / tl:4.2f}) | {cells}", flush=True)
             rows.append(dict(model=model, layer=name, n=n, k=k, m=m, bf16_us=tb, large_us=tl, small_us=ts,
-                             wg_auto=[auto_cfg.wg, auto_cfg.blocks, t_auto],
-                             wg={f"g{a}b{b}": v for (a, b), v in res.items()}))
+                             wg_auto=[auto_cfg.bn, auto_cfg.wg, auto_cfg.blocks, t_auto],
+                             wg={f"n{c}g{a}b{b}": v for (c, a, b), v in res.items()}))
         del layer
         torch.cuda.empty_cache()
     if out_json:

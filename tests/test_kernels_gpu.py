@@ -29,7 +29,7 @@ QWEN = {  # (N, K): fused qkv, o, fused gate_up, down
     "32b": [(7168, 5120), (5120, 5120), (55296, 5120), (5120, 27648)],
 }
 ODD = [(16, 16), (40, 48), (1000, 1008), (72, 4112), (4100, 336), (136, 2000)]
-MS = (1, 2, 3, 7, 16, 33, 64, 127, 128, 256, 1000, 4096)
+MS = (1, 2, 3, 7, 16, 33, 64, 127, 128, 256, 300, 512, 1000, 4096)
 
 
 def quantize(w: torch.Tensor):
@@ -199,6 +199,23 @@ def test_stream_k_is_deterministic_and_exact(m):
                            lambda out, ws: gemm.gemm_wg_into(x, p, out, workspace=ws))
     for _ in range(3):
         assert torch.equal(gemm.gemm_wg_into(x, p, torch.empty_like(first)), first)
+
+
+def test_wgmma_rows_past_int32_offsets():
+    """Enough rows that activation offsets pass 2^31 elements (the permuted copy's addressing):
+    the first and last rows within bf16 rounding of the exact product, every output written."""
+    k = 27648
+    m = 2**31 // k + 300
+    if torch.cuda.get_device_properties(0).total_memory < 32 * 2**30:
+        pytest.skip("needs 32 GB of GPU memory")
+    p, wref, gscale = make_layer(128, k, seed=17)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    assert gemm.wg_config(m, p, x.device).bn >= gemm.wg_permuted_rows()
+    out = torch.full((m, p.n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    gemm.gemm_wg_into(x, p, out)
+    rows = torch.cat([torch.arange(0, 64), torch.arange(m - 2000, m)]).cuda()
+    check(out[rows], reference(x[rows], wref, gscale), f"M={m} K={k}")
+    assert not torch.isnan(out).any(), "unwritten (NaN) outputs"
 
 
 @pytest.mark.parametrize("m", [16, 64])

@@ -874,12 +874,12 @@ __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
   constexpr bool kPermuted = BN >= kPermutedRows;
   constexpr int kPieces = BN * 8, kPer = (kPieces + WG * 128 - 1) / (WG * 128);
   uint32_t pdst[kPer];
-  int psrc[kPer];
+  int psrc[kPer];  // from the row tile's first row (m0 * ldx is in the base pointer, xb)
 #pragma unroll
   for (int r = 0; r < kPer; ++r) {
     const int i = threadIdx.x + r * WG * 128, n = i >> 3, jh = i & 7;
     pdst[r] = sbase + (jh >> 1) * T::kStep + (jh & 1) * kCoreLbo + (n >> 3) * kCoreSbo + (n & 7) * 16;
-    psrc[r] = (m0 + n) * ldx + jh * 8;
+    psrc[r] = n * ldx + jh * 8;
   }
   static_assert(!kPermuted || kPieces % (WG * 128) == 0, "every thread copies kPer pieces");
 
@@ -899,7 +899,7 @@ __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
     // direct copies: this lane's pieces of round q start at xb + xo[q] (the current group); rows
     // past M read the tile's first row, so only the chunk where K ends needs checks (and zeros)
     const uint16_t* xb =
-        kPermuted ? x + (size_t)g0 * 256 : x + (size_t)m0 * ldx + 16 * t + 4 * cjb + 2 * cp + (size_t)g0 * 256;
+        x + (size_t)m0 * ldx + (size_t)g0 * 256 + (kPermuted ? 0 : 16 * t + 4 * cjb + 2 * cp);
     int xo[kRounds];
 #pragma unroll
     for (int q = 0; q < kRounds; ++q) xo[q] = q * kRoundRows < rows_left ? (nlo + q * kRoundRows) * ldx : 0;
@@ -1343,6 +1343,9 @@ int qerl_nvfp4_dequant(const void* wq, void* w, int N, int K, int ntiles, int kg
   void* args[] = {&wq4, &w16, &N, &K, &ntiles, &kg};
   return (int)launch(reinterpret_cast<const void*>(&dequant_kernel), dim3(blocks), dim3(256), 0, stream, args);
 }
+
+// Rows per block from which the wgmma kernel reads the permuted activations (xp must be given).
+int qerl_nvfp4_wg_permuted_rows() { return kPermutedRows; }
 
 const char* qerl_nvfp4_error_string(int err) { return cudaGetErrorString((cudaError_t)err); }
 

@@ -7,7 +7,7 @@ crossovers measured on H200):
   blocks, and tiles per warp, by a rule measured per layer kind (small_config).
 - "wg" (from SMALL_PATH_MAX + 1 rows up to 32-256, the larger the layer the further): the same
   dequantization feeding warpgroup MMAs (wgmma) whose B operand, the activations, streams through
-  a shared-memory ring (from WG_PERMUTED_ROWS rows per block out of a copy of them in the MMA's
+  a shared-memory ring (from wg_permuted_rows() rows per block out of a copy of them in the MMA's
   input order, written first); the layer's columns x K groups cut into one wave of resident blocks
   (stream K, wg_config).
 - "cublas" (the rest): one pass dequantizes to bf16 and cuBLAS multiplies, with the global scale
@@ -67,17 +67,13 @@ _PREFETCH_MIN_M = 3
 WG_BN = (16, 32, 64, 96, 128, 192, 256)
 _WG_VARIANTS = {(bn, 1) for bn in WG_BN if bn <= 128} | {(bn, 2) for bn in WG_BN}
 SMALL_PATH_MAX = int(os.environ.get("QERL_NVFP4_SMALL_MAX", "16"))
-WG_M_MAX = int(os.environ.get("QERL_NVFP4_WG_MAX", "256"))
+WG_M_MAX = int(os.environ.get("QERL_NVFP4_WG_MAX", "512"))
 WG_PREFETCH_GROUPS = int(os.environ.get("QERL_NVFP4_WG_PREFETCH", "2"))
 # Blocks of the wgmma kernel with one row tile, in waves of resident blocks (stream K), unless the
 # layer has at least _WG_WHOLE_WAVES waves of column blocks.
 WG_FILL = float(os.environ.get("QERL_NVFP4_WG_FILL", "1"))
-# Blocks of this many activation rows or more read a permuted copy of the activations that a
-# kernel of its own writes first (16-byte copies; the same as kPermutedRows in nvfp4_gemm.cu):
-# measured 7-21% faster than the direct copies at 128 rows, mixed at 64, slower at 32
-# (benchmarks/RESULTS.md).
-WG_PERMUTED_ROWS = 128
 _WG_WHOLE_WAVES = 4
+_WG_TILE_ROWS = 128  # rows per block past 256 rows
 
 
 @dataclass(eq=False)
@@ -192,14 +188,15 @@ def _m_tiles(m: int) -> int:
 
 def kernel_path(m: int, n: int, k: int) -> str:
     """"small", "wg" or "cublas" for a plain product of M rows of an [n, k] layer (crossovers
-    measured on H200, benchmarks/gemm_nvfp4.py --sweep-wg): the small kernel up to SMALL_PATH_MAX
-    rows, the wgmma kernel (stream K) from there on, up to the more rows the larger the layer;
-    dequantize + cuBLAS beyond."""
+    measured with benchmarks/gemm_nvfp4.py --sweep-wg, on H200 up to 64 rows and on H100 above):
+    the small kernel up to SMALL_PATH_MAX rows, the wgmma kernel from there on, up to the more
+    rows the larger the layer (to WG_M_MAX only where the layer is also wide); dequantize +
+    cuBLAS beyond."""
     if m <= SMALL_PATH_MAX:
         return "small"
     weights = n * k
-    if m <= 32 or (m <= 64 and weights >= 15e6) or (m <= 128 and weights >= 30e6) or \
-            (m <= WG_M_MAX and weights >= 100e6):
+    if m <= 32 or (m <= 64 and weights >= 15e6) or (m <= 128 and weights >= 20e6) or \
+            (m <= 256 and weights >= 30e6) or (m <= WG_M_MAX and weights >= 30e6 and n >= 7168):
         return "wg"
     return "cublas"
 
@@ -288,14 +285,13 @@ def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = N
               blocks: int | None = None) -> WgConfig:
     """The wgmma kernel's launch shape for M rows (``WgConfig``).
 
-    Rows past 256 go to more row tiles (each dequantizes its weights again), every block a whole
-    column. With one row tile the layer's columns x K groups are cut into WG_FILL waves of resident
-    blocks (stream K): no partial last wave, whatever the number of columns; a layer with many
-    waves of columns keeps whole columns.
+    Rows past 256 go to row tiles of 128 (each dequantizes its weights again; two blocks per SM
+    where 256-row blocks fit one), every block a whole column. With one row tile the layer's
+    columns x K groups are cut into WG_FILL waves of resident blocks (stream K): no partial last
+    wave, whatever the number of columns; a layer with many waves of columns keeps whole columns.
     """
-    tiles = -(-m // WG_BN[-1])
     if bn is None:
-        bn = next(b for b in WG_BN if b * tiles >= m)
+        bn = next((b for b in WG_BN if b >= m), _WG_TILE_ROWS)
     if wg is None:
         wg = 1 if bn == 16 else 2
     if (bn, wg) not in _WG_VARIANTS:
@@ -313,11 +309,20 @@ def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = N
     return WgConfig(bn, wg, max(1, min(units, blocks)), columns)
 
 
+@lru_cache(maxsize=None)
+def wg_permuted_rows() -> int:
+    """Rows per block from which the wgmma kernel reads a permuted copy of the activations that a
+    kernel of its own writes first (16-byte copies; kPermutedRows in nvfp4_gemm.cu): measured
+    7-21% faster than the direct copies at 128 rows, mixed at 64, slower at 32
+    (benchmarks/RESULTS.md)."""
+    return _build.library().qerl_nvfp4_wg_permuted_rows()
+
+
 def wg_permuted(m: int, cfg: WgConfig, kg: int) -> int:
     """fp32 elements that the activations in the MMA's input order take in the wgmma kernel's
     workspace (bf16, rows to the last row tile's end, K to whole groups), 0 below
-    WG_PERMUTED_ROWS rows per block (kPermutedRows in nvfp4_gemm.cu)."""
-    return -(-m // cfg.bn) * cfg.bn * kg * 128 if cfg.bn >= WG_PERMUTED_ROWS else 0
+    ``wg_permuted_rows`` rows per block."""
+    return -(-m // cfg.bn) * cfg.bn * kg * 128 if cfg.bn >= wg_permuted_rows() else 0
 
 
 def wg_workspace(m: int, cfg: WgConfig, kg: int) -> int:
