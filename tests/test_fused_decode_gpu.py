@@ -287,11 +287,12 @@ def test_fused_shrinks_equal_the_kernels_they_replace(ops, rows):
 
 
 # -- bias + LoRA in the NVFP4 GEMM's epilogue ------------------------------------------------------
-@pytest.mark.parametrize("n,k", [(1024, 1024), (3584, 18944), (1000, 1008), (20480, 1024)])
+@pytest.mark.parametrize("n,k", [(1024, 1024), (3584, 18944), (1000, 1008), (20480, 1024), (16000, 1024)])
 def test_gemm_epilogue_equals_gemm_then_expand(ops, n, k):
     """gemm_small_into(bias=, lora=) = the GEMM, then CudaOps' expand kernel (same bits), and
     TorchOps' epilogue over a float64 product within bf16 rounding; both output writers (split K
-    or not), one and two LoRA members, narrow layers and a wide one (gate/up's launch shapes)."""
+    or not), one and two LoRA members, narrow layers (the last with two tiles per warp at 16
+    rows) and a wide one (gate/up's launch shapes)."""
     from engine.kernels import nvfp4_gemm as gemm
     from engine.rollout.fused_ops import apply_epilogue
     from tests.test_kernels_gpu import make_layer

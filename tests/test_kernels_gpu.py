@@ -201,6 +201,19 @@ def test_stream_k_is_deterministic_and_exact(m):
         assert torch.equal(gemm.gemm_wg_into(x, p, torch.empty_like(first)), first)
 
 
+def test_narrow_layer_past_a_wave_takes_two_tiles_per_warp():
+    """Above 8 rows a narrow layer gets one block per weight tile, or two tiles per warp where
+    one block each would leave a partial wave of resident blocks; both exact."""
+    dev = torch.device("cuda")
+    for n, want in ((1024, 1), (16000, 2)):
+        p, wref, gscale = make_layer(n, 1024, seed=n)
+        for m in (9, 16):
+            cfg = gemm.small_config(m, p, dev)
+            assert (cfg.tnw, cfg.splits, cfg.wpt) == (want, 1, 8), f"{n} rows, M={m}: {cfg}"
+            x = torch.randn(m, p.k, device="cuda").bfloat16()
+            check(run_forward(p, x, "small"), reference(x, wref, gscale), f"{n}x1024 M={m} {cfg}")
+
+
 def test_wgmma_rows_past_int32_offsets():
     """Enough rows that activation offsets pass 2^31 elements (the permuted copy's addressing):
     the first and last rows within bf16 rounding of the exact product, every output written."""

@@ -39,9 +39,11 @@ SMALL_M_MAX = 128
 # benchmarks/RESULTS.md). Up to 16 rows, by layer kind (N in 16-row tiles, K in 256-input groups):
 # - narrow layers (at most _NARROW_TILES tiles: q/k/v, o, down): each tile's K range over all
 #   eight warps of one block, summed in shared memory (SmallConfig.wpt), and over two blocks from
-#   _SLICE_MIN_M to 8 rows (_NARROW_SPLIT_M), over one otherwise; but long-K ones (the down
-#   projections, >= _LONG_K_GROUPS groups) below _SLICE_MIN_M rows take four warps per tile, two
-#   tiles per warp, and K split across blocks to about _RESIDENT blocks per SM;
+#   _SLICE_MIN_M to 8 rows (_NARROW_SPLIT_M), over one otherwise, with two tiles per warp above 8
+#   rows where one block per tile would leave a partial wave of resident blocks (14B/32B q/k/v at
+#   9-16 rows: 17.5 -> 12.8 us a call on H100 with a dependent copy between calls); but long-K
+#   ones (the down projections, >= _LONG_K_GROUPS groups) below _SLICE_MIN_M rows take four warps
+#   per tile, two tiles per warp, and K split across blocks to about _RESIDENT blocks per SM;
 # - wide layers (gate_up): four warps per tile from _SLICE_MIN_M to 8 rows, no split; below that
 #   two tiles per warp with the block target below.
 # Otherwise every warp takes whole tiles and K is split across blocks until the grid has about the
@@ -252,13 +254,20 @@ def _rule(m: int, p: PreparedNVFP4, sms: int) -> tuple[int, int | None, int] | N
     if m > 16:
         return None
     narrow, long_k = p.ntiles <= _NARROW_TILES, p.kg >= _LONG_K_GROUPS
+    if narrow and m > _NARROW_SPLIT_M:  # one block per tile, unless that leaves a partial wave
+        return 1 if p.ntiles <= _small_occupancy(_m_tiles(m), 1) * sms else 2, 1, 8
     if narrow and (m >= _SLICE_MIN_M or not long_k):
-        return 1, 2 if _SLICE_MIN_M <= m <= _NARROW_SPLIT_M else 1, 8
+        return 1, 2 if m >= _SLICE_MIN_M else 1, 8
     if narrow:
         return 2, max(1, round(_RESIDENT * sms / small_column_blocks(p, 2, 4))), 4
     if m < _SLICE_MIN_M:
         return 2, None, 1
     return (1, 1, 4) if m <= 8 else None
+
+
+@lru_cache(maxsize=None)
+def _small_occupancy(mt: int, tnw: int) -> int:
+    return max(1, _build.library().qerl_nvfp4_occupancy(mt, tnw))
 
 
 @lru_cache(maxsize=None)
