@@ -229,8 +229,10 @@ def sweep_wg(models, ms, out_json):
             ts = layer.time_small(x, *gemm.small_config(m, p, x.device)[1:3]) if m <= gemm.SMALL_M_MAX else float("nan")
             bn0 = gemm.wg_config(m, p, dev).bn
             res = {}
-            # the automatic block size, and half of it (twice the row tiles, whole columns)
-            for bn in (bn0, bn0 // 2) if bn0 // 2 in gemm.WG_BN else (bn0,):
+            # the automatic block size, half of it (twice the row tiles, whole columns), and the
+            # smallest single row tile
+            single = [b for b in gemm.WG_BN if b >= m][:1]
+            for bn in dict.fromkeys([bn0] + [b for b in (bn0 // 2,) if b in gemm.WG_BN] + single):
                 for wg in (1, 2):
                     if (bn, wg) not in gemm._WG_VARIANTS:
                         continue

@@ -214,6 +214,22 @@ def test_narrow_layer_past_a_wave_takes_two_tiles_per_warp():
             check(run_forward(p, x, "small"), reference(x, wref, gscale), f"{n}x1024 M={m} {cfg}")
 
 
+def test_layer_near_one_wave_takes_whole_columns():
+    """From 128-row blocks a layer whose columns fill most of one wave gets one block per column
+    (no shared columns), and at 193-256 rows two row tiles of 128; both exact."""
+    dev = torch.device("cuda")
+    wave = gemm._wg_occupancy(128, 2) * gemm.sm_count(dev)
+    p, wref, gscale = make_layer(round(0.9 * wave) * 128, 512, seed=21)
+    for m, bn in ((128, 128), (200, 128), (256, 128)):
+        cfg = gemm.wg_config(m, p, dev)
+        assert cfg.bn == bn and not cfg.shared, f"M={m}: {cfg}"
+        x = torch.randn(m, p.k, device="cuda").bfloat16()
+        checked_launch(p, x, reference(x, wref, gscale), f"M={m} {cfg}",
+                       lambda out, ws: gemm.gemm_wg_into(x, p, out, workspace=ws))
+    small, _, _ = make_layer(36 * 128, 512, seed=22)  # few columns: stream K, one 256-row tile
+    assert gemm.wg_config(256, small, dev)[:2] == (256, 2) and gemm.wg_config(128, small, dev).shared
+
+
 def test_wgmma_rows_past_int32_offsets():
     """Enough rows that activation offsets pass 2^31 elements (the permuted copy's addressing):
     the first and last rows within bf16 rounding of the exact product, every output written."""

@@ -75,7 +75,11 @@ WG_PREFETCH_GROUPS = int(os.environ.get("QERL_NVFP4_WG_PREFETCH", "2"))
 # layer has at least _WG_WHOLE_WAVES waves of column blocks.
 WG_FILL = float(os.environ.get("QERL_NVFP4_WG_FILL", "1"))
 _WG_WHOLE_WAVES = 4
-_WG_TILE_ROWS = 128  # rows per block past 256 rows
+_WG_TILE_ROWS = 128  # rows per block past 256 rows, and from 193 on wide layers (_WG_WHOLE_FILL)
+# From 128-row blocks a layer whose columns fill between this share of one wave of resident blocks
+# and the whole wave takes one block per column (no stream-K partial sums); at 193-256 rows such
+# a layer, or a wider one, takes two row tiles of 128 (two blocks per SM) instead of one of 256.
+_WG_WHOLE_FILL = 0.8
 
 
 @dataclass(eq=False)
@@ -295,12 +299,17 @@ def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = N
     """The wgmma kernel's launch shape for M rows (``WgConfig``).
 
     Rows past 256 go to row tiles of 128 (each dequantizes its weights again; two blocks per SM
-    where 256-row blocks fit one), every block a whole column. With one row tile the layer's
-    columns x K groups are cut into WG_FILL waves of resident blocks (stream K): no partial last
-    wave, whatever the number of columns; a layer with many waves of columns keeps whole columns.
+    where 256-row blocks fit one), every block a whole column; so do 193-256 rows on layers of at
+    least _WG_WHOLE_FILL of a wave of columns. With one row tile the layer's columns x K groups
+    are cut into WG_FILL waves of resident blocks (stream K): no partial last wave, whatever the
+    number of columns; a layer with many waves of columns keeps whole columns, and from 128-row
+    blocks so does one whose columns fill most of one wave (_WG_WHOLE_FILL).
     """
     if bn is None:
         bn = next((b for b in WG_BN if b >= m), _WG_TILE_ROWS)
+        if bn == WG_BN[-1] and wg in (None, 2) and \
+                -(-p.ntiles // 8) >= _WG_WHOLE_FILL * _wg_occupancy(_WG_TILE_ROWS, 2) * sm_count(device):
+            bn = _WG_TILE_ROWS
     if wg is None:
         wg = 1 if bn == 16 else 2
     if (bn, wg) not in _WG_VARIANTS:
@@ -314,7 +323,8 @@ def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = N
         return WgConfig(bn, wg, columns, columns)
     if blocks is None:
         wave = _wg_occupancy(bn, wg) * sm_count(device)
-        blocks = columns if columns >= _WG_WHOLE_WAVES * wave else round(WG_FILL * wave)
+        whole = columns >= _WG_WHOLE_WAVES * wave or (bn >= _WG_TILE_ROWS and _WG_WHOLE_FILL * wave <= columns <= wave)
+        blocks = columns if whole else round(WG_FILL * wave)
     return WgConfig(bn, wg, max(1, min(units, blocks)), columns)
 
 
