@@ -194,7 +194,7 @@ def _m_tiles(m: int) -> int:
 
 def kernel_path(m: int, n: int, k: int) -> str:
     """"small", "wg" or "cublas" for a plain product of M rows of an [n, k] layer (crossovers
-    measured with benchmarks/gemm_nvfp4.py --sweep-wg, on H200 up to 64 rows and on H100 above):
+    measured with benchmarks/gemm_nvfp4.py --sweep-wg on H200, from 128 rows on H100 too):
     the small kernel up to SMALL_PATH_MAX rows, the wgmma kernel from there on, up to the more
     rows the larger the layer (to WG_M_MAX only where the layer is also wide); dequantize +
     cuBLAS beyond."""
