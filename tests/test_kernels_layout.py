@@ -184,14 +184,17 @@ def test_small_kernel_launch_rule_by_layer_kind(monkeypatch):
     """The launch rule on an H200's 132 SMs, as (8-row tiles, tiles per warp, K splits, groups per
     slice, warps per tile): narrow layers spread each tile's K over the eight warps of a block,
     and of two blocks at 3-8 rows (down below 3 rows: four warps, two tiles, K split to about
-    four blocks per SM), gate_up four warps per tile at 3-8 rows and two tiles per warp below;
+    four blocks per SM; above 8 rows two tiles per warp where one block per tile would leave a
+    partial wave), gate_up four warps per tile at 3-8 rows and two tiles per warp below;
     above 16 rows (8 for gate_up) the block target alone; explicit arguments are kept."""
     from types import SimpleNamespace
 
     from engine.kernels import nvfp4_gemm as gemm
 
     monkeypatch.setattr(gemm, "sm_count", lambda device: 132)
+    monkeypatch.setattr(gemm, "_small_occupancy", lambda mt, tnw: 3)  # 16-row blocks per SM (H100, H200)
     qkv7 = SimpleNamespace(ntiles=4608 // 16, kg=3584 // 256)
+    qkv14 = SimpleNamespace(ntiles=7168 // 16, kg=5120 // 256)  # 448 tiles: more than 3 x 132 blocks
     down7 = SimpleNamespace(ntiles=3584 // 16, kg=18944 // 256)  # 74 groups: long K
     up7 = SimpleNamespace(ntiles=37888 // 16, kg=3584 // 256)  # 2368 tiles: wide
     cpu = torch.device("cpu")
@@ -200,6 +203,9 @@ def test_small_kernel_launch_rule_by_layer_kind(monkeypatch):
     for m in (3, 8):
         assert gemm.small_config(m, qkv7, cpu) == (1, 1, 2, 1, 8)  # and over two blocks
     assert gemm.small_config(16, qkv7, cpu) == (2, 1, 1, 2, 8)
+    assert gemm.small_config(8, qkv14, cpu) == (1, 1, 2, 2, 8)
+    for m in (9, 16):
+        assert gemm.small_config(m, qkv14, cpu) == (2, 2, 1, 3, 8)  # two tiles per warp: 224 blocks
     assert gemm.small_config(1, down7, cpu) == (1, 2, 7, 3, 4)  # 56 column blocks: 9 splits asked, 25 slices
     assert gemm.small_config(3, down7, cpu) == (1, 1, 2, 5, 8)
     assert gemm.small_config(9, down7, cpu) == (2, 1, 1, 10, 8)
