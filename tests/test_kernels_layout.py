@@ -192,7 +192,7 @@ def test_small_kernel_launch_rule_by_layer_kind(monkeypatch):
     from engine.kernels import nvfp4_gemm as gemm
 
     monkeypatch.setattr(gemm, "sm_count", lambda device: 132)
-    monkeypatch.setattr(gemm, "_small_occupancy", lambda mt, tnw: 3)  # 16-row blocks per SM (H100, H200)
+    monkeypatch.setattr(gemm, "_small_occupancy", lambda mt, tnw: 3)  # 16-row blocks per SM (measured on H200)
     qkv7 = SimpleNamespace(ntiles=4608 // 16, kg=3584 // 256)
     qkv14 = SimpleNamespace(ntiles=7168 // 16, kg=5120 // 256)  # 448 tiles: more than 3 x 132 blocks
     down7 = SimpleNamespace(ntiles=3584 // 16, kg=18944 // 256)  # 74 groups: long K
