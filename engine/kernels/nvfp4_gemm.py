@@ -294,6 +294,11 @@ class WgConfig(NamedTuple):
         return self.blocks != self.columns
 
 
+def _wg_columns(p: PreparedNVFP4, wg: int) -> int:
+    """Column blocks of the wgmma kernel: 4 weight tiles (64 rows) per warpgroup."""
+    return -(-p.ntiles // (4 * wg))
+
+
 def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = None, wg: int | None = None,
               blocks: int | None = None) -> WgConfig:
     """The wgmma kernel's launch shape for M rows (``WgConfig``).
@@ -308,13 +313,13 @@ def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = N
     if bn is None:
         bn = next((b for b in WG_BN if b >= m), _WG_TILE_ROWS)
         if bn == WG_BN[-1] and wg in (None, 2) and \
-                -(-p.ntiles // 8) >= _WG_WHOLE_FILL * _wg_occupancy(_WG_TILE_ROWS, 2) * sm_count(device):
+                _wg_columns(p, 2) >= _WG_WHOLE_FILL * _wg_occupancy(_WG_TILE_ROWS, 2) * sm_count(device):
             bn = _WG_TILE_ROWS
     if wg is None:
         wg = 1 if bn == 16 else 2
     if (bn, wg) not in _WG_VARIANTS:
         raise ValueError(f"no wgmma kernel for {bn} rows per block with {wg} warpgroups")
-    columns = -(-p.ntiles // (4 * wg))
+    columns = _wg_columns(p, wg)
     units = columns * p.kg
     tiles = -(-m // bn)
     if tiles > 1:
