@@ -95,8 +95,8 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=1024)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--rollout-batch", type=int, default=32,
-                    help="sequences decoded together (32: the 32B step's rollout 1.4x faster than at 16, peak "
-                         "37.8 GiB at 8 x 8 x 1280 tokens, under 40)")
+                    help="sequences decoded together (the memory and time this trades: benchmarks/RESULTS.md, "
+                         "One RL step under an 80 GB cap)")
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--cap-gb", type=float, default=80.0)
