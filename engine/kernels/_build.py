@@ -33,6 +33,7 @@ _SIGNATURES = {
     "qerl_nvfp4_occupancy": [_I, _I],
     "qerl_nvfp4_occupancy_wg": [_I, _I],
     "qerl_nvfp4_wg_permuted_rows": [],
+    "qerl_nvfp4_ws_stage_bytes": [ctypes.c_int],
     "qerl_nvfp4_dequant": [_P, _P, _I, _I, _I, _I, _P],
     "qerl_nvfp4_error_string": [_I],
 }

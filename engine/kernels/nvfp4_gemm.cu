@@ -1083,6 +1083,291 @@ __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
   }
 }
 
+// ---- Medium M, warp-specialized (wg = 3) --------------------------------------------------------
+// Three warpgroups per block: one warp of warpgroup 0 only issues copies into a ring of kStages
+// chunk stages, warpgroups 1 and 2 (64 weight rows each, as gemm_wg_kernel's two) only compute.
+// A stage holds one chunk (64 inputs): its activations, in gemm_wg_kernel's ring layout, copied
+// whole from an image of that layout that stage_x_kernel writes first; its weights (the 8 tiles'
+// 512 bytes); and, for a group's first chunk, the group's scales (8 x 256 bytes), every piece by
+// the bulk-copy engine. A stage's "full" barrier completes when its bytes have landed, its
+// "empty" barrier when each compute warp is done with it (its wgmmas of the chunk finished). The
+// compute warps read their A fragments from shared memory and keep two chunks of A registers:
+// chunk c's four wgmma steps are issued before chunk c-1's are waited for, so up to eight steps
+// stay in flight and no barrier of the whole block is met in the loop. The producer issues the
+// weights of its first kStages chunks before griddepcontrol.wait. The grid, stream-K segments,
+// workspace and epilogue are gemm_wg_kernel's with WG = 2.
+template <int BN>
+struct WsTile {
+  static constexpr int kStep = 36 * BN + 32;  // bytes of one k16 step of activations (all BN rows)
+  static constexpr int kAct = 4 * kStep;      // activations of one chunk
+  static constexpr int kW = 8 * 512;          // weights of one chunk, 8 tiles
+  static constexpr int kStageBytes = kAct + kW + 8 * 256;  // + the group's scales (first chunk)
+  static constexpr int kBudget = 227 * 1024 - 2048;
+  static constexpr int kStages = kBudget / kStageBytes < 16 ? kBudget / kStageBytes : 16;
+  static constexpr int kHead = 1024;  // the barriers
+  static constexpr int kSmem = kHead + kStages * kStageBytes;
+};
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+
+template <int BN>
+__global__ void __launch_bounds__(384, 1)
+    gemm_ws_kernel(const int4* __restrict__ wq, const uint16_t* __restrict__ x, uint16_t* __restrict__ y,
+                   float* __restrict__ ws, int* __restrict__ counters, const float* __restrict__ alpha_p, int M,
+                   int N, int K, int ldx, int ldy, int ntiles, int kg, int ncols, int pf) {
+  using T = WsTile<BN>;
+  constexpr int S = T::kStages;
+  constexpr int kTiles = 8, kWidth = kTiles * 16;
+  extern __shared__ __align__(128) char ws_smem[];
+  __shared__ int is_last;
+  // the warp index as a value the compiler knows to be warp-uniform (no divergent wgmma path)
+  const int warp = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 5, 0), lane = threadIdx.x & 31;
+  const int m0 = blockIdx.z * BN;
+  const int blocks = gridDim.x, b = blockIdx.x;
+  const long long units = (long long)ncols * kg;
+  const long long u_beg = b * units / blocks, u_end = (b + 1) * units / blocks;
+  const int total = (int)(u_end - u_beg) * 4;  // chunks of this block
+  const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(ws_smem));
+  const uint32_t full0 = sbase, empty0 = sbase + 8 * S, stage0 = sbase + T::kHead;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full0 + 8 * s, 1);  // the expect_tx arrival (then the copies' bytes)
+      mbar_init(empty0 + 8 * s, 8);   // one per compute warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp < 4) {  // ---- producer warpgroup: one warp issues every copy
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;" ::: "memory");
+    if (warp != 0) return;
+    struct Cursor {  // chunk c of group g of column col, from the block's first unit on
+      int col, g, c;
+      __device__ void next(int kg) {
+        if (++c == 4) {
+          c = 0;
+          if (++g == kg) g = 0, ++col;
+        }
+      }
+    };
+    const Cursor start{(int)(u_beg / kg), (int)(u_beg % kg), 0};
+    const char* xz = reinterpret_cast<const char*>(x) + (size_t)blockIdx.z * kg * 4 * T::kAct;
+    auto issue_w = [&](const Cursor& q, int s) {  // the chunk's weights (and its group's scales)
+      const int nv = min(kTiles, ntiles - q.col * kTiles);
+      const uint32_t bar = full0 + 8 * s, dst = stage0 + s * T::kStageBytes + T::kAct;
+      if (lane == 0) mbar_expect_tx(bar, T::kAct + nv * (q.c == 0 ? 768 : 512));
+      __syncwarp();
+      const int tl = lane & 7;
+      const char* rec = reinterpret_cast<const char*>(wq + ((size_t)(q.col * kTiles + tl) * kg + q.g) * 144);
+      if (lane < nv) bulk_copy(dst + tl * 512, rec + q.c * 512, 512, bar);
+      else if (lane >= 8 && lane < 16 && tl < nv && q.c == 0) bulk_copy(dst + T::kW + tl * 256, rec + 2048, 256, bar);
+    };
+    auto issue_x = [&](const Cursor& q, int s) {  // the chunk's staged activations, one copy
+      if (lane == 16)
+        bulk_copy(stage0 + s * T::kStageBytes, xz + (size_t)(q.g * 4 + q.c) * T::kAct, T::kAct, full0 + 8 * s);
+    };
+    const int pre = min(S, total);
+    Cursor qw = start, qx = start;
+    for (int i = 0; i < pre; ++i, qw.next(kg)) issue_w(qw, i);
+    pdl_wait_then_release();  // the staged activations are the previous kernel's output
+    for (int i = 0; i < pre; ++i, qx.next(kg)) issue_x(qx, i);
+    for (int i = S, s = 0, use = 1; i < total; ++i, qw.next(kg)) {
+      mbar_wait(empty0 + 8 * s, (use - 1) & 1);
+      issue_w(qw, s);
+      issue_x(qw, s);
+      if (++s == S) s = 0, ++use;
+    }
+    return;
+  }
+
+  // ---- compute warpgroups
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;" ::: "memory");
+  const int cw = warp - 4, ct = threadIdx.x - 128, g = lane >> 2, t = lane & 3;
+  const float alpha = __ldg(alpha_p);
+  const uint64_t desc0 = ((stage0 >> 4) & 0x3FFF) | ((uint64_t)(kCoreLbo >> 4) << 16) |
+                         ((uint64_t)(kCoreSbo >> 4) << 32);
+  int s = 0, use = 0, sp = 0;  // stage of the current chunk, its use, the previous chunk's stage
+  for (long long u = u_beg; u < u_end;) {
+    const int col = (int)(u / kg);
+    const int g0 = (int)(u - (long long)col * kg);
+    const int g1 = (int)min((long long)kg, g0 + (u_end - u));
+    const bool whole = g0 == 0 && g1 == kg;
+    const int tile = col * kTiles + cw;
+    const bool active = col * kTiles + (cw & ~3) < ntiles;  // uniform per warpgroup
+
+    float acc[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+    fence_acc(acc);
+    int2 sc = make_int2(0, 0);
+    uint32_t a[2][4][4];
+    bool first = true;
+    for (int gi = g0; gi < g1; ++gi) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        mbar_wait(full0 + 8 * s, use & 1);
+        const uint32_t st = stage0 + s * T::kStageBytes;
+        if (active) {
+          if (c == 0)
+            asm volatile("ld.shared.v2.s32 {%0,%1}, [%2];"
+                         : "=r"(sc.x), "=r"(sc.y)
+                         : "r"(st + T::kAct + T::kW + cw * 256 + lane * 8));
+          int4 wv;
+          asm volatile("ld.shared.v4.s32 {%0,%1,%2,%3}, [%4];"
+                       : "=r"(wv.x), "=r"(wv.y), "=r"(wv.z), "=r"(wv.w)
+                       : "r"(st + T::kAct + cw * 512 + lane * 16));
+          uint32_t sg, sg8;
+          chunk_scales(sc, c, sg, sg8);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            uint32_t(&aj)[4] = a[c & 1][j];
+            uint32_t r0, r1, r2, r3;
+            unpack8(word(wv, j), r0, r1, r2, r3);
+            aj[0] = bmul2(r0, sg);   // row g,   MMA inputs 2t, 2t+1
+            aj[1] = bmul2(r1, sg8);  // row g+8
+            aj[2] = bmul2(r2, sg);   // row g,   MMA inputs 2t+8, 2t+9
+            aj[3] = bmul2(r3, sg8);  // row g+8
+            wg_fence(aj);
+            wgmma_bf16<BN>(acc, aj, desc0 + ((s * T::kStageBytes + j * T::kStep) >> 4));
+            wg_commit();
+          }
+          wg_wait<4>();  // the previous chunk's steps are done: its stage and A registers are free
+        }
+        if (!first && lane == 0) mbar_arrive(empty0 + 8 * sp);
+        first = false;
+        sp = s;
+        if (++s == S) s = 0, ++use;
+      }
+    }
+    wg_wait<0>();
+    fence_acc(acc);
+    if (lane == 0) mbar_arrive(empty0 + 8 * sp);
+
+    // acc[4i + e]: weight row g + 8 (e >> 1) of the tile, activation row m0 + 8i + 2t + (e & 1)
+    if (whole) {
+      if (active) {
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int tk = m0 + 8 * i + 2 * t + (e & 1), nn = tile * 16 + g + 8 * (e >> 1);
+            if (tk < M && nn < N) y[(size_t)tk * ldy + nn] = to_bf16(acc[4 * i + e] * alpha);
+          }
+      }
+    } else {
+      // a shared column (one row tile, m0 = 0): partial sums, then the column's last block adds them
+      const size_t slot = (size_t)M * kWidth;
+      if (active) {
+        float* part = ws + (size_t)(b + col) * slot + cw * 16 + g;
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int tk = 8 * i + 2 * t + (e & 1);
+            if (tk < M) part[(size_t)tk * kWidth + 8 * (e >> 1)] = acc[4 * i + e];
+          }
+      }
+      const long long c0 = (long long)col * kg;
+      const int b0 = sk_owner(c0, units, blocks);
+      const int nseg = sk_owner(c0 + kg - 1, units, blocks) - b0 + 1;
+      __threadfence();
+      consumers_sync();
+      if (ct == 0) is_last = atomicAdd(&counters[col], 1) == nseg - 1;
+      consumers_sync();
+      if (is_last) {
+        __threadfence();
+        constexpr int R = BN >= 32 ? 4 : 2, P = 2, kThreads = 256;
+        const float4* s0 = reinterpret_cast<const float4*>(ws + (size_t)(b0 + col) * slot);
+        const size_t slot4 = slot / 4;
+        const int n4 = M * kWidth / 4, nb = col * kWidth;
+        for (int i0 = ct; i0 < n4; i0 += R * kThreads) {
+          float4 v[R];
+#pragma unroll
+          for (int r = 0; r < R; ++r) v[r] = make_float4(0.f, 0.f, 0.f, 0.f);
+          for (int j0 = 0; j0 < nseg; j0 += P) {
+            float4 w[P][R];
+#pragma unroll
+            for (int q = 0; q < P; ++q)
+#pragma unroll
+              for (int r = 0; r < R; ++r) {
+                const int i = i0 + r * kThreads;
+                w[q][r] = j0 + q < nseg && i < n4 ? __ldcg(s0 + (j0 + q) * slot4 + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+              }
+#pragma unroll
+            for (int q = 0; q < P; ++q)
+              if (j0 + q < nseg)
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                  v[r].x += w[q][r].x;
+                  v[r].y += w[q][r].y;
+                  v[r].z += w[q][r].z;
+                  v[r].w += w[q][r].w;
+                }
+          }
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            const int i = i0 + r * kThreads;
+            if (i >= n4) continue;
+            const int tk = 4 * i / kWidth, nn = nb + 4 * i % kWidth;
+            uint16_t* yr = y + (size_t)tk * ldy + nn;
+            const float e4[4] = {v[r].x, v[r].y, v[r].z, v[r].w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              if (nn + e < N) yr[e] = to_bf16(e4[e] * alpha);
+          }
+        }
+        if (ct == 0) counters[col] = 0;
+      }
+      consumers_sync();  // is_last is read before the next segment's ticket rewrites it
+    }
+    u += g1 - g0;
+  }
+}
+
+// The warp-specialized kernel's activations: x [M, K] -> xs, for each row tile of BN rows and each
+// chunk of 64 inputs, the image of one ring stage (WsTile<BN>::kAct bytes; the k16 steps' core
+// matrices in the MMA's input order, zeros past M and K; the paddings are never read). One thread
+// per 16-byte core-matrix row.
+template <int BN>
+__global__ void __launch_bounds__(256) stage_x_kernel(const uint16_t* __restrict__ x, char* __restrict__ xs,
+                                                      int M, int K, int ldx, int rows, int chunks) {
+  using T = WsTile<BN>;
+  const long long i = (long long)blockIdx.x * 256 + threadIdx.x;
+  pdl_wait_then_release();
+  if (i >= (long long)rows * chunks * 8) return;
+  const int r = (int)(i / (chunks * 8)), pc = (int)(i % (chunks * 8)), ch = pc >> 3, j = (pc & 7) >> 1, h = pc & 1;
+  uint32_t v[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int k = ch * 64 + 16 * q + 4 * j + 2 * h;
+    v[q] = r < M && k < K ? __ldg(reinterpret_cast<const uint32_t*>(x + (size_t)r * ldx + k)) : 0u;
+  }
+  const int n = r % BN;
+  char* dst = xs + ((size_t)(r / BN) * chunks + ch) * T::kAct + j * T::kStep + h * kCoreLbo + (n >> 3) * kCoreSbo +
+              (n & 7) * 16;
+  *reinterpret_cast<uint4*>(dst) = make_uint4(v[0], v[1], v[2], v[3]);
+}
+
 // The wgmma kernel's permuted activations: x [M, K] (row stride ldx) -> xp [rows, kpad] with each
 // k16 step's two halves as 8 contiguous inputs (inputs 16 (e / 2) + 4 j + 2 h + e % 2 of a chunk
 // at 16 j + 8 h + e), zeros past M and K. One thread per 16-byte piece of xp.
@@ -1205,7 +1490,20 @@ Variant wg_variant() {
   return {reinterpret_cast<void*>(&gemm_wg_kernel<BN, WG>), WgTile<BN>::kSmem};
 }
 
+template <int BN>
+Variant ws_variant() {
+  return {reinterpret_cast<void*>(&gemm_ws_kernel<BN>), WsTile<BN>::kSmem};
+}
+
+// wg 1 or 2: gemm_wg_kernel; wg 3: gemm_ws_kernel (two compute warpgroups and a producer).
 Variant pick_wg(int bn, int wg) {
+  if (wg == 3) {
+    if (bn == 32) return ws_variant<32>();
+    if (bn == 64) return ws_variant<64>();
+    if (bn == 128) return ws_variant<128>();
+    if (bn == 256) return ws_variant<256>();
+    return {nullptr, 0};
+  }
 #define QERL_CASE(A, B) \
   if (bn == A && wg == B) return wg_variant<A, B>();
   QERL_CASE(16, 1) QERL_CASE(32, 1) QERL_CASE(64, 1) QERL_CASE(96, 1) QERL_CASE(128, 1)
@@ -1282,24 +1580,38 @@ int qerl_nvfp4_gemm_small(int mt, int tnw, int wpt, const void* wq, const void* 
 }
 
 // Medium M: the wgmma kernel. bn: activation rows per block (16, 32, 64, 96, 128; 192 and 256
-// with wg = 2); wg: warpgroups per block (64 weight rows each); blocks: the grid along x, from
+// with wg = 2); wg: warpgroups per block (64 weight rows each), or 3 for the warp-specialized
+// kernel (32, 64, 128, 256 rows; two compute warpgroups, columns as wg = 2); blocks: the grid along x, from
 // one block per column block (ncols, whole columns) to ncols * kg (one group each); other than
 // ncols it shares columns between blocks (stream K), which needs the workspace, (blocks + ncols)
-// slots of M x 64 wg floats, and a single row tile. Rows past bn go to further blocks along z.
+// slots of M x 64 wg floats (128 for wg = 3), and a single row tile. Rows past bn go to further blocks along z.
 // From kPermutedRows rows per block xp (bf16, mtiles * bn rows of kg * 256) takes the permuted
-// activations, written by a kernel of its own launched first.
+// activations, written by a kernel of its own launched first; with wg = 3 always, as stage images
+// (mtiles x 4 kg x qerl_nvfp4_ws_stage_bytes(bn) bytes).
 int qerl_nvfp4_gemm_wg(int bn, int wg, const void* wq, const void* x, void* y, void* ws, void* xp,
                        void* counters, const void* alpha, int M, int N, int K, int ldx, int ldy,
                        int ntiles, int kg, int blocks, int pf, void* stream) {
   const Variant v = pick_wg(bn, wg);
   const int mtiles = (M + bn - 1) / bn;
-  int ncols = (ntiles + 4 * wg - 1) / (4 * wg);
+  const int per_col = 4 * (wg == 3 ? 2 : wg);  // weight tiles per column block
+  int ncols = (ntiles + per_col - 1) / per_col;
   if (v.fn == nullptr || blocks < 1 || (long long)blocks > (long long)ncols * kg ||
-      (blocks != ncols && (mtiles > 1 || ws == nullptr)) || (bn >= kPermutedRows && xp == nullptr))
+      (blocks != ncols && (mtiles > 1 || ws == nullptr)) || ((bn >= kPermutedRows || wg == 3) && xp == nullptr))
     return (int)cudaErrorInvalidValue;
   cudaError_t err = allow_smem(v);
   if (err != cudaSuccess) return (int)err;
-  if (bn >= kPermutedRows) {  // the activations in the MMA's input order first
+  if (wg == 3) {  // the activations as images of the ring's stages first
+    int rows = mtiles * bn, chunks = kg * 4;
+    const long long pieces = (long long)rows * chunks * 8;
+    void* pargs[] = {const_cast<void**>(&x), &xp, &M, &K, &ldx, &rows, &chunks};
+    const void* fn = bn == 32 ? reinterpret_cast<const void*>(&stage_x_kernel<32>)
+                     : bn == 64 ? reinterpret_cast<const void*>(&stage_x_kernel<64>)
+                     : bn == 128 ? reinterpret_cast<const void*>(&stage_x_kernel<128>)
+                                 : reinterpret_cast<const void*>(&stage_x_kernel<256>);
+    err = launch(fn, dim3((unsigned)((pieces + 255) / 256)), dim3(256), 0, stream, pargs);
+    if (err != cudaSuccess) return (int)err;
+    x = xp;
+  } else if (bn >= kPermutedRows) {  // the activations in the MMA's input order first
     int rows = mtiles * bn, kpad = kg * 256;
     const long long pieces = (long long)rows * kpad / 8;
     void* pargs[] = {const_cast<void**>(&x), &xp, &M, &K, &ldx, &rows, &kpad};
@@ -1346,6 +1658,13 @@ int qerl_nvfp4_dequant(const void* wq, void* w, int N, int K, int ntiles, int kg
 
 // Rows per block from which the wgmma kernel reads the permuted activations (xp must be given).
 int qerl_nvfp4_wg_permuted_rows() { return kPermutedRows; }
+
+// Bytes of one chunk's staged activations in the warp-specialized kernel (xp holds row tiles x
+// chunks of them), 0 for a row count it does not take.
+int qerl_nvfp4_ws_stage_bytes(int bn) {
+  return bn == 32 ? WsTile<32>::kAct : bn == 64 ? WsTile<64>::kAct : bn == 128 ? WsTile<128>::kAct
+         : bn == 256 ? WsTile<256>::kAct : 0;
+}
 
 const char* qerl_nvfp4_error_string(int err) { return cudaGetErrorString((cudaError_t)err); }
 

@@ -67,7 +67,11 @@ _PREFETCH_MIN_M = 3
 # Path crossovers in rows (kernel_path): small kernel up to SMALL_PATH_MAX, wgmma kernel up to
 # WG_M_MAX on large enough layers, dequantize + cuBLAS otherwise.
 WG_BN = (16, 32, 64, 96, 128, 192, 256)
-_WG_VARIANTS = {(bn, 1) for bn in WG_BN if bn <= 128} | {(bn, 2) for bn in WG_BN}
+# wg = 3: the warp-specialized kernel (two compute warpgroups fed by a producer warpgroup through
+# a ring of shared-memory stages; columns of 128 weight rows as with wg = 2), for these row counts.
+WS_BN = (32, 64, 128, 256)
+_WG_VARIANTS = {(bn, 1) for bn in WG_BN if bn <= 128} | {(bn, 2) for bn in WG_BN} | {(bn, 3) for bn in WS_BN}
+WG_WS = os.environ.get("QERL_NVFP4_WG_WS", "0") == "1"  # the warp-specialized kernel by default
 SMALL_PATH_MAX = int(os.environ.get("QERL_NVFP4_SMALL_MAX", "16"))
 WG_M_MAX = int(os.environ.get("QERL_NVFP4_WG_MAX", "512"))
 WG_PREFETCH_GROUPS = int(os.environ.get("QERL_NVFP4_WG_PREFETCH", "2"))
@@ -295,8 +299,8 @@ class WgConfig(NamedTuple):
 
 
 def _wg_columns(p: PreparedNVFP4, wg: int) -> int:
-    """Column blocks of the wgmma kernel: 4 weight tiles (64 rows) per warpgroup."""
-    return -(-p.ntiles // (4 * wg))
+    """Column blocks of the wgmma kernel: 4 weight tiles (64 rows) per compute warpgroup."""
+    return -(-p.ntiles // (4 * min(wg, 2)))
 
 
 def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = None, wg: int | None = None,
@@ -310,6 +314,10 @@ def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = N
     number of columns; a layer with many waves of columns keeps whole columns, and from 128-row
     blocks so does one whose columns fill most of one wave (_WG_WHOLE_FILL).
     """
+    if wg is None and WG_WS and m > WG_BN[0]:
+        wg = 3
+    if bn is None and wg == 3:
+        bn = next((b for b in WS_BN if b >= m), _WG_TILE_ROWS)
     if bn is None:
         bn = next((b for b in WG_BN if b >= m), _WG_TILE_ROWS)
         if bn == WG_BN[-1] and wg in (None, 2) and \
@@ -342,17 +350,25 @@ def wg_permuted_rows() -> int:
     return _build.library().qerl_nvfp4_wg_permuted_rows()
 
 
+@lru_cache(maxsize=None)
+def _ws_stage_bytes(bn: int) -> int:
+    return _build.library().qerl_nvfp4_ws_stage_bytes(bn)
+
+
 def wg_permuted(m: int, cfg: WgConfig, kg: int) -> int:
     """fp32 elements that the activations in the MMA's input order take in the wgmma kernel's
     workspace (bf16, rows to the last row tile's end, K to whole groups), 0 below
-    ``wg_permuted_rows`` rows per block."""
+    ``wg_permuted_rows`` rows per block; the warp-specialized kernel (wg = 3) always takes them,
+    as images of its ring's stages (row tiles x chunks of 64 inputs)."""
+    if cfg.wg == 3:
+        return -(-m // cfg.bn) * kg * 4 * _ws_stage_bytes(cfg.bn) // 4
     return -(-m // cfg.bn) * cfg.bn * kg * 128 if cfg.bn >= wg_permuted_rows() else 0
 
 
 def wg_workspace(m: int, cfg: WgConfig, kg: int) -> int:
     """fp32 elements of the wgmma kernel's workspace: the permuted activations (``wg_permuted``),
     then, when columns are shared, the partial sums."""
-    return wg_permuted(m, cfg, kg) + ((cfg.blocks + cfg.columns) * m * 64 * cfg.wg if cfg.shared else 0)
+    return wg_permuted(m, cfg, kg) + ((cfg.blocks + cfg.columns) * m * 64 * min(cfg.wg, 2) if cfg.shared else 0)
 
 
 def _prefetch(m: int) -> int:
