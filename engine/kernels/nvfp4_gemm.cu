@@ -834,6 +834,99 @@ __device__ __forceinline__ int sk_owner(long long u, long long units, int blocks
   return (int)(((u + 1) * blocks - 1) / units);  // the block whose range holds unit u
 }
 
+// The end of a K segment in the wgmma kernels: a whole column writes its outputs; a shared one writes
+// its partial sums, and the column's last block (a ticket) adds them in segment order and writes
+// them. acc[4i + e]: weight row g + 8 (e >> 1) of the warp's tile (wl of the column block, whose
+// kWidth / 16 tiles start at tile - wl), activation row m0 + 8i + 2t + (e & 1). kThreads threads
+// take part (all of the block, or the compute warpgroups through named barrier 1).
+template <int BN, int kWidth, int kThreads, bool kNamedBarrier>
+__device__ __forceinline__ void wg_segment_out(const float (&acc)[BN / 2], bool whole, bool active, int tile, int col,
+                                               int wl, int tid, int lane, int b, int blocks, long long units,
+                                               int kg, int M, int N, int m0, int ldy, float alpha, uint16_t* y,
+                                               float* ws, int* counters, int& is_last) {
+  const int g = lane >> 2, t = lane & 3;
+  auto sync = [] {
+    if constexpr (kNamedBarrier) asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory");
+    else __syncthreads();
+  };
+  if (whole) {
+    if (active) {
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int tk = m0 + 8 * i + 2 * t + (e & 1), nn = tile * 16 + g + 8 * (e >> 1);
+          if (tk < M && nn < N) y[(size_t)tk * ldy + nn] = to_bf16(acc[4 * i + e] * alpha);
+        }
+    }
+  } else {
+    // a shared column (one row tile, m0 = 0): partial sums, then the column's last block adds them
+    const size_t slot = (size_t)M * kWidth;
+    if (active) {
+      float* part = ws + (size_t)(b + col) * slot + wl * 16 + g;
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int tk = 8 * i + 2 * t + (e & 1);
+          if (tk < M) part[(size_t)tk * kWidth + 8 * (e >> 1)] = acc[4 * i + e];
+        }
+    }
+    const long long c0 = (long long)col * kg;
+    const int b0 = sk_owner(c0, units, blocks);
+    const int nseg = sk_owner(c0 + kg - 1, units, blocks) - b0 + 1;
+    __threadfence();
+    sync();
+    if (tid == 0) is_last = atomicAdd(&counters[col], 1) == nseg - 1;
+    sync();
+    if (is_last) {
+      __threadfence();
+      constexpr int R = BN >= 32 ? 4 : 2, P = 2;
+      const float4* s0 = reinterpret_cast<const float4*>(ws + (size_t)(b0 + col) * slot);
+      const size_t slot4 = slot / 4;
+      const int n4 = M * kWidth / 4, nb = col * kWidth;
+      for (int i0 = tid; i0 < n4; i0 += R * kThreads) {
+        float4 v[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) v[r] = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int j0 = 0; j0 < nseg; j0 += P) {
+          float4 w[P][R];
+#pragma unroll
+          for (int q = 0; q < P; ++q)
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+              const int i = i0 + r * kThreads;
+              w[q][r] = j0 + q < nseg && i < n4 ? __ldcg(s0 + (j0 + q) * slot4 + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+          for (int q = 0; q < P; ++q)
+            if (j0 + q < nseg)
+#pragma unroll
+              for (int r = 0; r < R; ++r) {
+                v[r].x += w[q][r].x;
+                v[r].y += w[q][r].y;
+                v[r].z += w[q][r].z;
+                v[r].w += w[q][r].w;
+              }
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const int i = i0 + r * kThreads;
+          if (i >= n4) continue;
+          const int tk = 4 * i / kWidth, nn = nb + 4 * i % kWidth;
+          uint16_t* yr = y + (size_t)tk * ldy + nn;
+          const float e4[4] = {v[r].x, v[r].y, v[r].z, v[r].w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (nn + e < N) yr[e] = to_bf16(e4[e] * alpha);
+        }
+      }
+      if (tid == 0) counters[col] = 0;
+    }
+    sync();  // is_last is read before the next segment's ticket rewrites it
+  }
+}
+
 template <int BN, int WG>
 __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
     gemm_wg_kernel(const int4* __restrict__ wq, const uint16_t* __restrict__ x,
@@ -853,7 +946,7 @@ __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
   static_assert(BN % kRoundRows == 0, "BN must be a multiple of 8 * WG");
   extern __shared__ __align__(128) char wg_smem[];
   __shared__ int is_last;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
   const int m0 = blockIdx.z * BN;
   const int blocks = gridDim.x, b = blockIdx.x;
   const long long units = (long long)ncols * kg;
@@ -1000,85 +1093,8 @@ __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
     fence_acc(acc);
     __syncthreads();  // every warpgroup is done with the ring before the next segment refills it
 
-    // acc[4i + e]: weight row g + 8 (e >> 1) of the tile, activation row m0 + 8i + 2t + (e & 1)
-    if (whole) {
-      if (active) {
-#pragma unroll
-        for (int i = 0; i < BN / 8; ++i)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int tk = m0 + 8 * i + 2 * t + (e & 1), nn = tile * 16 + g + 8 * (e >> 1);
-            if (tk < M && nn < N) y[(size_t)tk * ldy + nn] = to_bf16(acc[4 * i + e] * alpha);
-          }
-      }
-    } else {
-      // a shared column (one row tile, m0 = 0): partial sums, then the column's last block adds them
-      const size_t slot = (size_t)M * kWidth;
-      if (active) {
-        float* part = ws + (size_t)(b + col) * slot + warp * 16 + g;  // this lane's columns of the slot
-#pragma unroll
-        for (int i = 0; i < BN / 8; ++i)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int tk = 8 * i + 2 * t + (e & 1);
-            if (tk < M) part[(size_t)tk * kWidth + 8 * (e >> 1)] = acc[4 * i + e];
-          }
-      }
-      const long long c0 = (long long)col * kg;
-      const int b0 = sk_owner(c0, units, blocks);
-      const int nseg = sk_owner(c0 + kg - 1, units, blocks) - b0 + 1;
-      __threadfence();
-      __syncthreads();
-      if (threadIdx.x == 0) is_last = atomicAdd(&counters[col], 1) == nseg - 1;
-      __syncthreads();
-      if (is_last) {
-        __threadfence();
-        // the column's outputs, four at a time (float4 i of a slot), R per thread a round; each
-        // output's partial sums added in segment order, P segments' loads in flight at once
-        constexpr int R = BN >= 32 ? 4 : 2, P = 2, kThreads = WG * 128;
-        const float4* s0 = reinterpret_cast<const float4*>(ws + (size_t)(b0 + col) * slot);
-        const size_t slot4 = slot / 4;
-        const int n4 = M * kWidth / 4, nb = col * kWidth;
-        for (int i0 = threadIdx.x; i0 < n4; i0 += R * kThreads) {
-          float4 v[R];
-#pragma unroll
-          for (int r = 0; r < R; ++r) v[r] = make_float4(0.f, 0.f, 0.f, 0.f);
-          for (int j0 = 0; j0 < nseg; j0 += P) {
-            float4 w[P][R];
-#pragma unroll
-            for (int q = 0; q < P; ++q)
-#pragma unroll
-              for (int r = 0; r < R; ++r) {
-                const int i = i0 + r * kThreads;
-                w[q][r] = j0 + q < nseg && i < n4 ? __ldcg(s0 + (j0 + q) * slot4 + i) : make_float4(0.f, 0.f, 0.f, 0.f);
-              }
-#pragma unroll
-            for (int q = 0; q < P; ++q)
-              if (j0 + q < nseg)
-#pragma unroll
-                for (int r = 0; r < R; ++r) {
-                  v[r].x += w[q][r].x;
-                  v[r].y += w[q][r].y;
-                  v[r].z += w[q][r].z;
-                  v[r].w += w[q][r].w;
-                }
-          }
-#pragma unroll
-          for (int r = 0; r < R; ++r) {
-            const int i = i0 + r * kThreads;
-            if (i >= n4) continue;
-            const int tk = 4 * i / kWidth, nn = nb + 4 * i % kWidth;
-            uint16_t* yr = y + (size_t)tk * ldy + nn;
-            const float e4[4] = {v[r].x, v[r].y, v[r].z, v[r].w};
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-              if (nn + e < N) yr[e] = to_bf16(e4[e] * alpha);
-          }
-        }
-        if (threadIdx.x == 0) counters[col] = 0;
-      }
-      __syncthreads();  // is_last is read before the next segment's ticket rewrites it
-    }
+    wg_segment_out<BN, kWidth, WG * 128, false>(acc, whole, active, tile, col, warp, threadIdx.x, lane, b, blocks,
+                                               units, kg, M, N, m0, ldy, alpha, y, ws, counters, is_last);
     u += g1 - g0;
   }
 }
@@ -1128,7 +1144,6 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
                "l"(src), "r"(bytes), "r"(bar)
                : "memory");
 }
-__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
 
 template <int BN>
 __global__ void __launch_bounds__(384, 1)
@@ -1202,7 +1217,7 @@ __global__ void __launch_bounds__(384, 1)
 
   // ---- compute warpgroups
   asm volatile("setmaxnreg.inc.sync.aligned.u32 224;" ::: "memory");
-  const int cw = warp - 4, ct = threadIdx.x - 128, g = lane >> 2, t = lane & 3;
+  const int cw = warp - 4, ct = threadIdx.x - 128;
   const float alpha = __ldg(alpha_p);
   const uint64_t desc0 = ((stage0 >> 4) & 0x3FFF) | ((uint64_t)(kCoreLbo >> 4) << 16) |
                          ((uint64_t)(kCoreSbo >> 4) << 32);
@@ -1263,83 +1278,8 @@ __global__ void __launch_bounds__(384, 1)
     fence_acc(acc);
     if (lane == 0) mbar_arrive(empty0 + 8 * sp);
 
-    // acc[4i + e]: weight row g + 8 (e >> 1) of the tile, activation row m0 + 8i + 2t + (e & 1)
-    if (whole) {
-      if (active) {
-#pragma unroll
-        for (int i = 0; i < BN / 8; ++i)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int tk = m0 + 8 * i + 2 * t + (e & 1), nn = tile * 16 + g + 8 * (e >> 1);
-            if (tk < M && nn < N) y[(size_t)tk * ldy + nn] = to_bf16(acc[4 * i + e] * alpha);
-          }
-      }
-    } else {
-      // a shared column (one row tile, m0 = 0): partial sums, then the column's last block adds them
-      const size_t slot = (size_t)M * kWidth;
-      if (active) {
-        float* part = ws + (size_t)(b + col) * slot + cw * 16 + g;
-#pragma unroll
-        for (int i = 0; i < BN / 8; ++i)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int tk = 8 * i + 2 * t + (e & 1);
-            if (tk < M) part[(size_t)tk * kWidth + 8 * (e >> 1)] = acc[4 * i + e];
-          }
-      }
-      const long long c0 = (long long)col * kg;
-      const int b0 = sk_owner(c0, units, blocks);
-      const int nseg = sk_owner(c0 + kg - 1, units, blocks) - b0 + 1;
-      __threadfence();
-      consumers_sync();
-      if (ct == 0) is_last = atomicAdd(&counters[col], 1) == nseg - 1;
-      consumers_sync();
-      if (is_last) {
-        __threadfence();
-        constexpr int R = BN >= 32 ? 4 : 2, P = 2, kThreads = 256;
-        const float4* s0 = reinterpret_cast<const float4*>(ws + (size_t)(b0 + col) * slot);
-        const size_t slot4 = slot / 4;
-        const int n4 = M * kWidth / 4, nb = col * kWidth;
-        for (int i0 = ct; i0 < n4; i0 += R * kThreads) {
-          float4 v[R];
-#pragma unroll
-          for (int r = 0; r < R; ++r) v[r] = make_float4(0.f, 0.f, 0.f, 0.f);
-          for (int j0 = 0; j0 < nseg; j0 += P) {
-            float4 w[P][R];
-#pragma unroll
-            for (int q = 0; q < P; ++q)
-#pragma unroll
-              for (int r = 0; r < R; ++r) {
-                const int i = i0 + r * kThreads;
-                w[q][r] = j0 + q < nseg && i < n4 ? __ldcg(s0 + (j0 + q) * slot4 + i) : make_float4(0.f, 0.f, 0.f, 0.f);
-              }
-#pragma unroll
-            for (int q = 0; q < P; ++q)
-              if (j0 + q < nseg)
-#pragma unroll
-                for (int r = 0; r < R; ++r) {
-                  v[r].x += w[q][r].x;
-                  v[r].y += w[q][r].y;
-                  v[r].z += w[q][r].z;
-                  v[r].w += w[q][r].w;
-                }
-          }
-#pragma unroll
-          for (int r = 0; r < R; ++r) {
-            const int i = i0 + r * kThreads;
-            if (i >= n4) continue;
-            const int tk = 4 * i / kWidth, nn = nb + 4 * i % kWidth;
-            uint16_t* yr = y + (size_t)tk * ldy + nn;
-            const float e4[4] = {v[r].x, v[r].y, v[r].z, v[r].w};
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-              if (nn + e < N) yr[e] = to_bf16(e4[e] * alpha);
-          }
-        }
-        if (ct == 0) counters[col] = 0;
-      }
-      consumers_sync();  // is_last is read before the next segment's ticket rewrites it
-    }
+    wg_segment_out<BN, kWidth, 256, true>(acc, whole, active, tile, col, cw, ct, lane, b, blocks, units, kg, M, N, m0,
+                                          ldy, alpha, y, ws, counters, is_last);
     u += g1 - g0;
   }
 }
