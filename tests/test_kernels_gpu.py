@@ -216,13 +216,14 @@ def test_narrow_layer_past_a_wave_takes_two_tiles_per_warp():
 
 def test_layer_near_one_wave_takes_whole_columns():
     """From 128-row blocks a layer whose columns fill most of one wave gets one block per column
-    (no shared columns), and at 193-256 rows two row tiles of 128; both exact."""
+    (no shared columns); at 193-256 rows such a layer (wide) takes one 256-row tile of the
+    warp-specialized kernel; all exact."""
     dev = torch.device("cuda")
     wave = gemm._wg_occupancy(128, 2) * gemm.sm_count(dev)
     p, wref, gscale = make_layer(round(0.9 * wave) * 128, 512, seed=21)
-    for m, bn in ((128, 128), (200, 128), (256, 128)):
+    for m, bn, wg in ((128, 128, 2), (200, 256, 3), (256, 256, 3)):
         cfg = gemm.wg_config(m, p, dev)
-        assert cfg.bn == bn and not cfg.shared, f"M={m}: {cfg}"
+        assert (cfg.bn, cfg.wg) == (bn, wg) and (wg == 3 or not cfg.shared), f"M={m}: {cfg}"
         x = torch.randn(m, p.k, device="cuda").bfloat16()
         checked_launch(p, x, reference(x, wref, gscale), f"M={m} {cfg}",
                        lambda out, ws: gemm.gemm_wg_into(x, p, out, workspace=ws))

@@ -71,7 +71,12 @@ WG_BN = (16, 32, 64, 96, 128, 192, 256)
 # a ring of shared-memory stages; columns of 128 weight rows as with wg = 2), for these row counts.
 WS_BN = (32, 64, 128, 256)
 _WG_VARIANTS = {(bn, 1) for bn in WG_BN if bn <= 128} | {(bn, 2) for bn in WG_BN} | {(bn, 3) for bn in WS_BN}
-WG_WS = os.environ.get("QERL_NVFP4_WG_WS", "0") == "1"  # the warp-specialized kernel by default
+WG_WS = os.environ.get("QERL_NVFP4_WG_WS", "0") == "1"  # the warp-specialized kernel at every M > 16
+# Where it is the default (measured with benchmarks/gemm_nvfp4.py --sweep-wg on H200): one 256-row
+# tile for 193-256 rows of wide layers (gate/up: 13-15% faster than two 128-row tiles of wg = 2).
+# Below that its per-chunk cost (one accumulator per warpgroup, two per SM) loses to wg = 2.
+_WS_FROM = 192
+_WS_MIN_N = 7168
 SMALL_PATH_MAX = int(os.environ.get("QERL_NVFP4_SMALL_MAX", "16"))
 WG_M_MAX = int(os.environ.get("QERL_NVFP4_WG_MAX", "512"))
 WG_PREFETCH_GROUPS = int(os.environ.get("QERL_NVFP4_WG_PREFETCH", "2"))
@@ -314,7 +319,8 @@ def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = N
     number of columns; a layer with many waves of columns keeps whole columns, and from 128-row
     blocks so does one whose columns fill most of one wave (_WG_WHOLE_FILL).
     """
-    if wg is None and WG_WS and m > WG_BN[0]:
+    if wg is None and (WG_WS and m > WG_BN[0] or bn in (None, WS_BN[-1]) and _WS_FROM < m <= WS_BN[-1] and
+                       p.ntiles * 16 >= _WS_MIN_N):
         wg = 3
     if bn is None and wg == 3:
         bn = next((b for b in WS_BN if b >= m), _WG_TILE_ROWS)
