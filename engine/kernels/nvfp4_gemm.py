@@ -317,10 +317,12 @@ def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = N
     least _WG_WHOLE_FILL of a wave of columns. With one row tile the layer's columns x K groups
     are cut into WG_FILL waves of resident blocks (stream K): no partial last wave, whatever the
     number of columns; a layer with many waves of columns keeps whole columns, and from 128-row
-    blocks so does one whose columns fill most of one wave (_WG_WHOLE_FILL).
+    blocks so does one whose columns fill most of one wave (_WG_WHOLE_FILL). Unless wg is given,
+    193-256 rows of layers of at least _WS_MIN_N outputs take one 256-row tile of the
+    warp-specialized kernel (wg = 3; every M above 16 with QERL_NVFP4_WG_WS=1).
     """
-    if wg is None and (WG_WS and m > WG_BN[0] or bn in (None, WS_BN[-1]) and _WS_FROM < m <= WS_BN[-1] and
-                       p.ntiles * 16 >= _WS_MIN_N):
+    if wg is None and ((WG_WS and m > WG_BN[0]) or
+                       (bn in (None, WS_BN[-1]) and _WS_FROM < m <= WS_BN[-1] and p.ntiles * 16 >= _WS_MIN_N)):
         wg = 3
     if bn is None and wg == 3:
         bn = next((b for b in WS_BN if b >= m), _WG_TILE_ROWS)
