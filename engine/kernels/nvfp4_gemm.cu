@@ -1114,8 +1114,8 @@ __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
 // workspace and epilogue are gemm_wg_kernel's with WG = 2.
 template <int BN>
 struct WsTile {
-  static constexpr int kStep = 36 * BN + 32;  // bytes of one k16 step of activations (all BN rows)
-  static constexpr int kAct = 4 * kStep;      // activations of one chunk
+  static constexpr int kStep = WgTile<BN>::kStep;  // bytes of one k16 step of activations (all BN rows)
+  static constexpr int kAct = WgTile<BN>::kStage;  // activations of one chunk (gemm_wg_kernel's stage)
   static constexpr int kW = 8 * 512;          // weights of one chunk, 8 tiles
   static constexpr int kStageBytes = kAct + kW + 8 * 256;  // + the group's scales (first chunk)
   static constexpr int kBudget = 227 * 1024 - 2048;
