@@ -191,7 +191,7 @@ def test_every_wgmma_variant(n, k, bn, wg):
 def test_stream_k_is_deterministic_and_exact(m):
     """A layer whose columns the automatic grid shares between blocks: the same bits call after
     call, within bf16 rounding of the exact product, tickets back at zero."""
-    p, wref, gscale = make_layer(4608, 3584, seed=13)
+    p, wref, gscale = make_layer(3584, 18944, seed=13)
     x = torch.randn(m, p.k, device="cuda").bfloat16()
     cfg = gemm.wg_config(m, p, x.device)
     assert cfg.shared
@@ -215,20 +215,20 @@ def test_narrow_layer_past_a_wave_takes_two_tiles_per_warp():
 
 
 def test_layer_near_one_wave_takes_whole_columns():
-    """From 128-row blocks a layer whose columns fill most of one wave gets one block per column
-    (no shared columns); at 193-256 rows such a layer (wide) takes one 256-row tile of the
-    warp-specialized kernel; all exact."""
+    """With two warpgroups (wg = 2), from 128-row blocks a layer whose columns fill most of one
+    wave gets one block per column (no shared columns), and at 193-256 rows two row tiles of 128;
+    all exact."""
     dev = torch.device("cuda")
     wave = gemm._wg_occupancy(128, 2) * gemm.sm_count(dev)
     p, wref, gscale = make_layer(round(0.9 * wave) * 128, 512, seed=21)
-    for m, bn, wg in ((128, 128, 2), (200, 256, 3), (256, 256, 3)):
-        cfg = gemm.wg_config(m, p, dev)
-        assert (cfg.bn, cfg.wg) == (bn, wg) and (wg == 3 or not cfg.shared), f"M={m}: {cfg}"
+    for m in (128, 200, 256):
+        cfg = gemm.wg_config(m, p, dev, wg=2)
+        assert cfg.bn == 128 and not cfg.shared, f"M={m}: {cfg}"
         x = torch.randn(m, p.k, device="cuda").bfloat16()
         checked_launch(p, x, reference(x, wref, gscale), f"M={m} {cfg}",
-                       lambda out, ws: gemm.gemm_wg_into(x, p, out, workspace=ws))
+                       lambda out, ws: gemm.gemm_wg_into(x, p, out, wg=2, workspace=ws))
     small, _, _ = make_layer(36 * 128, 512, seed=22)  # few columns: stream K, one 256-row tile
-    assert gemm.wg_config(256, small, dev)[:2] == (256, 2) and gemm.wg_config(128, small, dev).shared
+    assert gemm.wg_config(256, small, dev, wg=2)[:2] == (256, 2) and gemm.wg_config(128, small, dev, wg=2).shared
 
 
 def test_wgmma_rows_past_int32_offsets():

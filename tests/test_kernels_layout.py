@@ -217,3 +217,42 @@ def test_small_kernel_launch_rule_by_layer_kind(monkeypatch):
     assert gemm.small_config(8, down7, cpu, splits=2, wpt=4) == (1, 1, 2, 10, 4)
     with pytest.raises(ValueError, match="warps per weight tile"):
         gemm.small_config(17, down7, cpu, wpt=2)
+
+
+def test_wgmma_path_and_launch_rule(monkeypatch):
+    """The paths and wgmma launch shapes on an H200's 132 SMs (one warp-specialized block per SM,
+    two two-warpgroup blocks of up to 128 rows): above 32 rows, and from 30M weights above 16, the
+    warp-specialized kernel (wg = 3) in one row tile shared by stream K, or, on layers with few
+    column blocks x K groups, from 128 rows in two tiles of half the rows with whole columns;
+    past 256 rows tiles of 128; dequantize + cuBLAS beyond the crossovers; explicit arguments
+    keep the two-warpgroup kernel."""
+    from types import SimpleNamespace
+
+    from engine.kernels import nvfp4_gemm as gemm
+
+    monkeypatch.setattr(gemm, "sm_count", lambda device: 132)
+    monkeypatch.setattr(gemm, "_wg_occupancy", lambda bn, wg: 1 if wg == 3 or bn > 128 else (4 if wg == 1 else 2))
+    monkeypatch.setattr(gemm, "WG_WS", False)
+    shapes = {"qkv7": (4608, 3584), "o7": (3584, 3584), "up7": (37888, 3584), "down7": (3584, 18944)}
+    layers = {name: SimpleNamespace(n=n, k=k, ntiles=n // 16, kg=k // 256) for name, (n, k) in shapes.items()}
+    path = {name: [gemm.kernel_path(m, n, k) for m in (16, 32, 64, 128, 256, 512, 1024)]
+            for name, (n, k) in shapes.items()}
+    assert path["o7"] == ["small", "wg", "wg", "cublas", "cublas", "cublas", "cublas"]  # 12.8M weights
+    assert path["qkv7"] == ["small", "wg", "wg", "wg", "wg", "cublas", "cublas"]  # 16.5M
+    assert path["down7"] == ["small", "wg", "wg", "wg", "wg", "cublas", "cublas"]  # N < 7168
+    assert path["up7"] == ["small", "wg", "wg", "wg", "wg", "wg", "cublas"]
+    cpu = torch.device("cpu")
+    want = {  # (layer, M): (rows per block, warpgroups, blocks, column blocks)
+        ("o7", 32): (32, 2, 264, 28),  # 12.8M weights: two warpgroups, two waves of stream K
+        ("up7", 17): (32, 3, 132, 296),  # 136M: warp-specialized from 17 rows
+        ("o7", 64): (64, 3, 132, 28),
+        ("qkv7", 128): (64, 3, 36, 36),  # 36 x 14 units: two row tiles of 64, whole columns
+        ("qkv7", 256): (128, 3, 36, 36),
+        ("up7", 128): (128, 3, 132, 296),
+        ("down7", 256): (256, 3, 132, 28),  # 28 x 74 units: one tile, stream K
+        ("up7", 512): (128, 3, 296, 296),
+    }
+    for (name, m), cfg in want.items():
+        assert tuple(gemm.wg_config(m, layers[name], cpu)) == cfg, (name, m)
+    assert gemm.wg_config(256, layers["down7"], cpu, bn=256)[:2] == (256, 2)
+    assert gemm.wg_config(64, layers["up7"], cpu, wg=2)[:2] == (64, 2)

@@ -46,6 +46,8 @@
 // Activations, outputs, the split-K workspace and tickets are touched only after it, and
 // launch_dependents is signalled only after it too, so when a kernel starts every kernel but its
 // direct predecessor has finished.
+#include <cuda.h>  // CUtensorMap; its encoder is found through the runtime (no -lcuda)
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 #include <cstdint>
 
@@ -834,22 +836,39 @@ __device__ __forceinline__ int sk_owner(long long u, long long units, int blocks
   return (int)(((u + 1) * blocks - 1) / units);  // the block whose range holds unit u
 }
 
+// A block's stream-K segment that starts at unit u (units are the columns' K groups laid end to
+// end, the block's run ends at u_end): column col, groups [g0, g1); whole: the column's full K range.
+struct WgSegment {
+  int col, g0, g1;
+  bool whole;
+  int tile;     // the warp's weight tile (warp w of the block's kTiles)
+  bool active;  // the warp's warpgroup has weight rows in the layer (uniform per warpgroup)
+  __device__ WgSegment(long long u, long long u_end, int kg, int kTiles, int w, int ntiles)
+      : col((int)(u / kg)),
+        g0((int)(u - (long long)col * kg)),
+        g1((int)min((long long)kg, g0 + (u_end - u))),
+        whole(g0 == 0 && g1 == kg),
+        tile(col * kTiles + w),
+        active(col * kTiles + (w & ~3) < ntiles) {}
+};
+
 // The end of a K segment in the wgmma kernels: a whole column writes its outputs; a shared one writes
 // its partial sums, and the column's last block (a ticket) adds them in segment order and writes
 // them. acc[4i + e]: weight row g + 8 (e >> 1) of the warp's tile (wl of the column block, whose
 // kWidth / 16 tiles start at tile - wl), activation row m0 + 8i + 2t + (e & 1). kThreads threads
 // take part (all of the block, or the compute warpgroups through named barrier 1).
 template <int BN, int kWidth, int kThreads, bool kNamedBarrier>
-__device__ __forceinline__ void wg_segment_out(const float (&acc)[BN / 2], bool whole, bool active, int tile, int col,
-                                               int wl, int tid, int lane, int b, int blocks, long long units,
-                                               int kg, int M, int N, int m0, int ldy, float alpha, uint16_t* y,
-                                               float* ws, int* counters, int& is_last) {
-  const int g = lane >> 2, t = lane & 3;
+__device__ __forceinline__ void wg_segment_out(const float (&acc)[BN / 2], const WgSegment& seg, int wl, int tid,
+                                               int lane, int b, int blocks, long long units, int kg, int M, int N,
+                                               int m0, int ldy, float alpha, uint16_t* y, float* ws, int* counters,
+                                               int& is_last) {
+  const int g = lane >> 2, t = lane & 3, col = seg.col, tile = seg.tile;
+  const bool active = seg.active;
   auto sync = [] {
     if constexpr (kNamedBarrier) asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory");
     else __syncthreads();
   };
-  if (whole) {
+  if (seg.whole) {
     if (active) {
 #pragma unroll
       for (int i = 0; i < BN / 8; ++i)
@@ -978,12 +997,9 @@ __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
 
   bool first = true;
   for (long long u = b * units / blocks; u < u_end;) {
-    const int col = (int)(u / kg);
-    const int g0 = (int)(u - (long long)col * kg);
-    const int g1 = (int)min((long long)kg, g0 + (u_end - u));
-    const bool whole = g0 == 0 && g1 == kg;
-    const int tile = col * kTiles + warp;
-    const bool active = col * kTiles + (warp & ~3) < ntiles;  // uniform per warpgroup
+    const WgSegment seg(u, u_end, kg, kTiles, warp, ntiles);
+    const int g0 = seg.g0, g1 = seg.g1;
+    const bool active = seg.active;
 
     float acc[BN / 2];
 #pragma unroll
@@ -1023,7 +1039,7 @@ __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
     };
 
     // -- weights: this warp's tile, one group (4 chunks) in flight ahead
-    const int4* wptr = wq + ((size_t)(active ? tile : 0) * kg + g0) * kGroup + lane;
+    const int4* wptr = wq + ((size_t)(active ? seg.tile : 0) * kg + g0) * kGroup + lane;
     auto sload = [&](int grp) {
       int2 r;
       const int2* p = reinterpret_cast<const int2*>(wptr - lane + grp * kGroup + 128) + lane;
@@ -1093,8 +1109,8 @@ __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
     fence_acc(acc);
     __syncthreads();  // every warpgroup is done with the ring before the next segment refills it
 
-    wg_segment_out<BN, kWidth, WG * 128, false>(acc, whole, active, tile, col, warp, threadIdx.x, lane, b, blocks,
-                                               units, kg, M, N, m0, ldy, alpha, y, ws, counters, is_last);
+    wg_segment_out<BN, kWidth, WG * 128, false>(acc, seg, warp, threadIdx.x, lane, b, blocks, units, kg, M, N, m0,
+                                               ldy, alpha, y, ws, counters, is_last);
     u += g1 - g0;
   }
 }
@@ -1103,11 +1119,14 @@ __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
 // Three warpgroups per block: one warp of warpgroup 0 only issues copies into a ring of kStages
 // chunk stages, warpgroups 1 and 2 (64 weight rows each, as gemm_wg_kernel's two) only compute.
 // A stage holds one chunk (64 inputs): its activations, in gemm_wg_kernel's ring layout, copied
-// whole from an image of that layout that stage_x_kernel writes first; its weights (the 8 tiles'
-// 512 bytes); and, for a group's first chunk, the group's scales (8 x 256 bytes), every piece by
-// the bulk-copy engine. A stage's "full" barrier completes when its bytes have landed, its
-// "empty" barrier when each compute warp is done with it (its wgmmas of the chunk finished). The
-// compute warps read their A fragments from shared memory and keep two chunks of A registers:
+// whole from an image of that layout that stage_x_kernel writes first (one bulk copy); its weights
+// (the 8 tiles' 512 bytes, one box of a tensor map whose rows are the weight tiles); and, for a
+// group's first chunk, the group's scales (8 x 256 bytes, one box of a second map). One thread
+// issues at most three copies a chunk (issued one per tile and lane, the 8 tiles' copies took the
+// producer ~1300 cycles a chunk and the compute warps waited for them). A stage's "full" barrier
+// completes when its bytes have landed, its "empty" barrier when each compute warp is done with it
+// (its wgmmas of the chunk finished). The compute warps read their A fragments from shared memory
+// and keep two chunks of A registers:
 // chunk c's four wgmma steps are issued before chunk c-1's are waited for, so up to eight steps
 // stay in flight and no barrier of the whole block is met in the loop. The producer issues the
 // weights of its first kStages chunks before griddepcontrol.wait. The grid, stream-K segments,
@@ -1145,11 +1164,21 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
                : "memory");
 }
 
+// A 2-D box of a tensor map (coordinates: element c0 of row c1) into shared memory at dst.
+__device__ __forceinline__ void tma_copy_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+          dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
+
 template <int BN>
 __global__ void __launch_bounds__(384, 1)
     gemm_ws_kernel(const int4* __restrict__ wq, const uint16_t* __restrict__ x, uint16_t* __restrict__ y,
                    float* __restrict__ ws, int* __restrict__ counters, const float* __restrict__ alpha_p, int M,
-                   int N, int K, int ldx, int ldy, int ntiles, int kg, int ncols, int pf) {
+                   int N, int K, int ldx, int ldy, int ntiles, int kg, int ncols, int pf,
+                   const __grid_constant__ CUtensorMap wmap, const __grid_constant__ CUtensorMap smap) {
   using T = WsTile<BN>;
   constexpr int S = T::kStages;
   constexpr int kTiles = 8, kWidth = kTiles * 16;
@@ -1187,18 +1216,18 @@ __global__ void __launch_bounds__(384, 1)
     };
     const Cursor start{(int)(u_beg / kg), (int)(u_beg % kg), 0};
     const char* xz = reinterpret_cast<const char*>(x) + (size_t)blockIdx.z * kg * 4 * T::kAct;
-    auto issue_w = [&](const Cursor& q, int s) {  // the chunk's weights (and its group's scales)
-      const int nv = min(kTiles, ntiles - q.col * kTiles);
+    // the chunk's weights (8 tiles x 512 bytes) and, at a group's first chunk, its scales (8 x 256
+    // bytes): one box of a tensor map each (rows = weight tiles; tiles past the layer read as zeros
+    // and count in the bytes like the others)
+    auto issue_w = [&](const Cursor& q, int s) {
+      if (lane != 0) return;
       const uint32_t bar = full0 + 8 * s, dst = stage0 + s * T::kStageBytes + T::kAct;
-      if (lane == 0) mbar_expect_tx(bar, T::kAct + nv * (q.c == 0 ? 768 : 512));
-      __syncwarp();
-      const int tl = lane & 7;
-      const char* rec = reinterpret_cast<const char*>(wq + ((size_t)(q.col * kTiles + tl) * kg + q.g) * 144);
-      if (lane < nv) bulk_copy(dst + tl * 512, rec + q.c * 512, 512, bar);
-      else if (lane >= 8 && lane < 16 && tl < nv && q.c == 0) bulk_copy(dst + T::kW + tl * 256, rec + 2048, 256, bar);
+      mbar_expect_tx(bar, T::kAct + T::kW + (q.c == 0 ? 8 * 256 : 0));
+      tma_copy_2d(dst, &wmap, q.g * 576 + q.c * 128, q.col * kTiles, bar);
+      if (q.c == 0) tma_copy_2d(dst + T::kW, &smap, q.g * 576 + 512, q.col * kTiles, bar);
     };
     auto issue_x = [&](const Cursor& q, int s) {  // the chunk's staged activations, one copy
-      if (lane == 16)
+      if (lane == 0)
         bulk_copy(stage0 + s * T::kStageBytes, xz + (size_t)(q.g * 4 + q.c) * T::kAct, T::kAct, full0 + 8 * s);
     };
     const int pre = min(S, total);
@@ -1223,12 +1252,9 @@ __global__ void __launch_bounds__(384, 1)
                          ((uint64_t)(kCoreSbo >> 4) << 32);
   int s = 0, use = 0, sp = 0;  // stage of the current chunk, its use, the previous chunk's stage
   for (long long u = u_beg; u < u_end;) {
-    const int col = (int)(u / kg);
-    const int g0 = (int)(u - (long long)col * kg);
-    const int g1 = (int)min((long long)kg, g0 + (u_end - u));
-    const bool whole = g0 == 0 && g1 == kg;
-    const int tile = col * kTiles + cw;
-    const bool active = col * kTiles + (cw & ~3) < ntiles;  // uniform per warpgroup
+    const WgSegment seg(u, u_end, kg, kTiles, cw, ntiles);
+    const int g0 = seg.g0, g1 = seg.g1;
+    const bool active = seg.active;
 
     float acc[BN / 2];
 #pragma unroll
@@ -1278,11 +1304,29 @@ __global__ void __launch_bounds__(384, 1)
     fence_acc(acc);
     if (lane == 0) mbar_arrive(empty0 + 8 * sp);
 
-    wg_segment_out<BN, kWidth, 256, true>(acc, whole, active, tile, col, cw, ct, lane, b, blocks, units, kg, M, N, m0,
+    wg_segment_out<BN, kWidth, 256, true>(acc, seg, cw, ct, lane, b, blocks, units, kg, M, N, m0,
                                           ldy, alpha, y, ws, counters, is_last);
     u += g1 - g0;
   }
 }
+
+// 16-byte piece i of the activations in the MMA's input order, per_row pieces a row: piece pc of
+// row r is half h of k16 step j of chunk ch (pc = 8 ch + 2 j + h), i.e. inputs 16 q + 4 j + 2 h
+// and the next one of the chunk for q = 0..3; load() reads them from x (zeros past M and K).
+struct XPiece {
+  int r, pc, ch, j, h;
+  __device__ XPiece(long long i, int per_row)
+      : r((int)(i / per_row)), pc((int)(i % per_row)), ch(pc >> 3), j((pc & 7) >> 1), h(pc & 1) {}
+  __device__ uint4 load(const uint16_t* __restrict__ x, int M, int K, int ldx) const {
+    uint32_t v[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int k = ch * 64 + 16 * q + 4 * j + 2 * h;
+      v[q] = r < M && k < K ? __ldg(reinterpret_cast<const uint32_t*>(x + (size_t)r * ldx + k)) : 0u;
+    }
+    return make_uint4(v[0], v[1], v[2], v[3]);
+  }
+};
 
 // The warp-specialized kernel's activations: x [M, K] -> xs, for each row tile of BN rows and each
 // chunk of 64 inputs, the image of one ring stage (WsTile<BN>::kAct bytes; the k16 steps' core
@@ -1295,17 +1339,11 @@ __global__ void __launch_bounds__(256) stage_x_kernel(const uint16_t* __restrict
   const long long i = (long long)blockIdx.x * 256 + threadIdx.x;
   pdl_wait_then_release();
   if (i >= (long long)rows * chunks * 8) return;
-  const int r = (int)(i / (chunks * 8)), pc = (int)(i % (chunks * 8)), ch = pc >> 3, j = (pc & 7) >> 1, h = pc & 1;
-  uint32_t v[4];
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const int k = ch * 64 + 16 * q + 4 * j + 2 * h;
-    v[q] = r < M && k < K ? __ldg(reinterpret_cast<const uint32_t*>(x + (size_t)r * ldx + k)) : 0u;
-  }
-  const int n = r % BN;
-  char* dst = xs + ((size_t)(r / BN) * chunks + ch) * T::kAct + j * T::kStep + h * kCoreLbo + (n >> 3) * kCoreSbo +
-              (n & 7) * 16;
-  *reinterpret_cast<uint4*>(dst) = make_uint4(v[0], v[1], v[2], v[3]);
+  const XPiece p(i, chunks * 8);
+  const int n = p.r % BN;
+  char* dst = xs + ((size_t)(p.r / BN) * chunks + p.ch) * T::kAct + p.j * T::kStep + p.h * kCoreLbo +
+              (n >> 3) * kCoreSbo + (n & 7) * 16;
+  *reinterpret_cast<uint4*>(dst) = p.load(x, M, K, ldx);
 }
 
 // The wgmma kernel's permuted activations: x [M, K] (row stride ldx) -> xp [rows, kpad] with each
@@ -1317,14 +1355,8 @@ __global__ void __launch_bounds__(256) permute_x_kernel(const uint16_t* __restri
   const int per_row = kpad / 8;
   pdl_wait_then_release();
   if (i >= (long long)rows * per_row) return;
-  const int r = (int)(i / per_row), pc = (int)(i % per_row), ch = pc >> 3, j = (pc & 7) >> 1, h = pc & 1;
-  uint32_t v[4];
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const int k = ch * 64 + 16 * q + 4 * j + 2 * h;
-    v[q] = r < M && k < K ? __ldg(reinterpret_cast<const uint32_t*>(x + (size_t)r * ldx + k)) : 0u;
-  }
-  *reinterpret_cast<uint4*>(xp + (size_t)r * kpad + pc * 8) = make_uint4(v[0], v[1], v[2], v[3]);
+  const XPiece p(i, per_row);
+  *reinterpret_cast<uint4*>(xp + (size_t)p.r * kpad + p.pc * 8) = p.load(x, M, K, ldx);
 }
 
 // Weights back to bf16 [N, K] (times 2^-7, exact) for the cuBLAS path and the backward pass.
@@ -1453,6 +1485,27 @@ Variant pick_wg(int bn, int wg) {
   return {nullptr, 0};
 }
 
+// The weight records as a 2-D tensor of 32-bit words for the warp-specialized kernel's copies:
+// one row per 16-row weight tile (its kg records of 576 words), boxes of 8 tiles x `words` words.
+cudaError_t weight_map(CUtensorMap* map, const void* wq, int ntiles, int kg, int words) {
+  using Encode = PFN_cuTensorMapEncodeTiled_v12000;
+  static const Encode encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    const cudaError_t err =
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
+    return err == cudaSuccess && found == cudaDriverEntryPointSuccess ? reinterpret_cast<Encode>(fn) : nullptr;
+  }();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[2] = {(cuuint64_t)kg * 576, (cuuint64_t)ntiles};
+  const cuuint64_t strides[1] = {(cuuint64_t)kg * 2304};
+  const cuuint32_t box[2] = {(cuuint32_t)words, 8}, steps[2] = {1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT32, 2, const_cast<void*>(wq), dims, strides, box, steps,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
 // Rings over 48 KB of shared memory need the kernel's limit raised, once per kernel and device.
 cudaError_t allow_smem(const Variant& v) {
   if (v.smem <= 48 * 1024) return cudaSuccess;
@@ -1562,8 +1615,14 @@ int qerl_nvfp4_gemm_wg(int bn, int wg, const void* wq, const void* x, void* y, v
     ldx = kpad;
   }
   dim3 grid(blocks, 1, mtiles);
+  CUtensorMap wmap, smap;  // wg = 3: the weights' and the scales' boxes
+  if (wg == 3) {
+    if ((err = weight_map(&wmap, wq, ntiles, kg, 128)) != cudaSuccess ||
+        (err = weight_map(&smap, wq, ntiles, kg, 64)) != cudaSuccess)
+      return (int)err;
+  }
   void* args[] = {&wq, &x, &y, &ws, &counters, &alpha, &M, &N, &K,
-                  &ldx, &ldy, &ntiles, &kg, &ncols, &pf};
+                  &ldx, &ldy, &ntiles, &kg, &ncols, &pf, &wmap, &smap};
   return (int)launch(v.fn, grid, dim3(wg * 128), v.smem, stream, args);
 }
 

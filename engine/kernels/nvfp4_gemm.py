@@ -72,11 +72,15 @@ WG_BN = (16, 32, 64, 96, 128, 192, 256)
 WS_BN = (32, 64, 128, 256)
 _WG_VARIANTS = {(bn, 1) for bn in WG_BN if bn <= 128} | {(bn, 2) for bn in WG_BN} | {(bn, 3) for bn in WS_BN}
 WG_WS = os.environ.get("QERL_NVFP4_WG_WS", "0") == "1"  # the warp-specialized kernel at every M > 16
-# Where it is the default (measured with benchmarks/gemm_nvfp4.py --sweep-wg on H200): one 256-row
-# tile for 193-256 rows of wide layers (gate/up: 13-15% faster than two 128-row tiles of wg = 2).
-# Below that its per-chunk cost (one accumulator per warpgroup, two per SM) loses to wg = 2.
-_WS_FROM = 192
-_WS_MIN_N = 7168
+# Where it is the default (benchmarks/gemm_nvfp4.py --sweep-wg on H200, benchmarks/RESULTS.md):
+# above 32 rows on every layer the wgmma path takes, and at 17-32 rows from _WS_MIN_WEIGHTS
+# (7B gate_up at 64 rows 50.5 against 58.4 us with wg = 2; below 30M weights at 32 rows wg = 1 or
+# 2 stays ahead, 7B o 10.4 against 12.9). Layers of at most _WS_SHORT_UNITS column blocks x K
+# groups (q/k/v and o) take from 128 rows two row tiles of half the rows, whole columns: with
+# so little K per column, stream K's partial sums cost more than the second pass over the weights
+# (7B qkv at 256 rows 25.8 against 38.1 us).
+_WS_MIN_WEIGHTS = 30e6
+_WS_SHORT_UNITS = 1200
 SMALL_PATH_MAX = int(os.environ.get("QERL_NVFP4_SMALL_MAX", "16"))
 WG_M_MAX = int(os.environ.get("QERL_NVFP4_WG_MAX", "512"))
 WG_PREFETCH_GROUPS = int(os.environ.get("QERL_NVFP4_WG_PREFETCH", "2"))
@@ -203,15 +207,14 @@ def _m_tiles(m: int) -> int:
 
 def kernel_path(m: int, n: int, k: int) -> str:
     """"small", "wg" or "cublas" for a plain product of M rows of an [n, k] layer (crossovers
-    measured with benchmarks/gemm_nvfp4.py --sweep-wg on H200, from 128 rows on H100 too):
-    the small kernel up to SMALL_PATH_MAX rows, the wgmma kernel from there on, up to the more
-    rows the larger the layer (to WG_M_MAX only where the layer is also wide); dequantize +
-    cuBLAS beyond."""
+    measured with benchmarks/gemm_nvfp4.py --sweep-wg on H200): the small kernel up to
+    SMALL_PATH_MAX rows, the wgmma kernels from there on, up to the more rows the larger the
+    layer (to WG_M_MAX only where the layer is also wide); dequantize + cuBLAS beyond."""
     if m <= SMALL_PATH_MAX:
         return "small"
     weights = n * k
-    if m <= 32 or (m <= 64 and weights >= 15e6) or (m <= 128 and weights >= 20e6) or \
-            (m <= 256 and weights >= 30e6) or (m <= WG_M_MAX and weights >= 30e6 and n >= 7168):
+    if m <= 32 or (m <= 64 and weights >= 10e6) or (m <= 256 and weights >= 15e6) or \
+            (m <= WG_M_MAX and weights >= 30e6 and n >= 7168):
         return "wg"
     return "cublas"
 
@@ -312,20 +315,24 @@ def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = N
               blocks: int | None = None) -> WgConfig:
     """The wgmma kernel's launch shape for M rows (``WgConfig``).
 
-    Rows past 256 go to row tiles of 128 (each dequantizes its weights again; two blocks per SM
-    where 256-row blocks fit one), every block a whole column; so do 193-256 rows on layers of at
-    least _WG_WHOLE_FILL of a wave of columns. With one row tile the layer's columns x K groups
-    are cut into WG_FILL waves of resident blocks (stream K): no partial last wave, whatever the
-    number of columns; a layer with many waves of columns keeps whole columns, and from 128-row
-    blocks so does one whose columns fill most of one wave (_WG_WHOLE_FILL). Unless wg is given,
-    193-256 rows of layers of at least _WS_MIN_N outputs take one 256-row tile of the
-    warp-specialized kernel (wg = 3; every M above 16 with QERL_NVFP4_WG_WS=1).
+    Unless wg is given: the warp-specialized kernel (wg = 3) above 32 rows, and at 17-32 rows on
+    layers of at least _WS_MIN_WEIGHTS weights (every M above 16 with QERL_NVFP4_WG_WS=1), in one
+    row tile of the fewest rows that hold M up to 256 rows, else in row tiles of 128; layers of
+    few column blocks x K groups (_WS_SHORT_UNITS) take from 128 rows tiles of half the rows.
+    Otherwise gemm_wg_kernel: rows past 256 go to row tiles of 128 (two blocks per SM where
+    256-row blocks fit one), and so do 193-256 rows on layers of at least _WG_WHOLE_FILL of a wave
+    of columns. A kernel with more than one row tile gives every block a whole column; with one,
+    the layer's columns x K groups are cut into WG_FILL waves of resident blocks (stream K): no
+    partial last wave, whatever the number of columns; a layer with many waves of columns keeps
+    whole columns, and from 128-row blocks so does one whose columns fill most of one wave
+    (_WG_WHOLE_FILL).
     """
-    if wg is None and ((WG_WS and m > WG_BN[0]) or
-                       (bn in (None, WS_BN[-1]) and _WS_FROM < m <= WS_BN[-1] and p.ntiles * 16 >= _WS_MIN_N)):
+    if wg is None and bn is None and m > WG_BN[0] and (WG_WS or m > 32 or p.n * p.k >= _WS_MIN_WEIGHTS):
         wg = 3
     if bn is None and wg == 3:
         bn = next((b for b in WS_BN if b >= m), _WG_TILE_ROWS)
+        if bn >= _WG_TILE_ROWS and m <= WS_BN[-1] and _wg_columns(p, 3) * p.kg <= _WS_SHORT_UNITS:
+            bn //= 2
     if bn is None:
         bn = next((b for b in WG_BN if b >= m), _WG_TILE_ROWS)
         if bn == WG_BN[-1] and wg in (None, 2) and \
