@@ -1492,8 +1492,12 @@ cudaError_t weight_map(CUtensorMap* map, const void* wq, int ntiles, int kg, int
   static const Encode encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found;
+#if CUDART_VERSION >= 12050
     const cudaError_t err =
         cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
+#else
+    const cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &found);
+#endif
     return err == cudaSuccess && found == cudaDriverEntryPointSuccess ? reinterpret_cast<Encode>(fn) : nullptr;
   }();
   if (encode == nullptr) return cudaErrorNotSupported;
