@@ -243,7 +243,7 @@ def test_wgmma_path_and_launch_rule(monkeypatch):
     assert path["up7"] == ["small", "wg", "wg", "wg", "wg", "wg", "cublas"]
     cpu = torch.device("cpu")
     want = {  # (layer, M): (rows per block, warpgroups, blocks, column blocks)
-        ("o7", 32): (32, 2, 264, 28),  # 12.8M weights: two warpgroups, two waves of stream K
+        ("o7", 32): (32, 2, 264, 28),  # 12.8M weights: two warpgroups, stream K over a wave of 2 x 132
         ("up7", 17): (32, 3, 132, 296),  # 136M: warp-specialized from 17 rows
         ("o7", 64): (64, 3, 132, 28),
         ("qkv7", 128): (64, 3, 36, 36),  # 36 x 14 units: two row tiles of 64, whole columns
