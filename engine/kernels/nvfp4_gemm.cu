@@ -79,6 +79,17 @@ __device__ __forceinline__ void chunk_scales(const int2& sc, int c, uint32_t& sg
   sg8 = scale_pair(sw, sel + 0x0101u);
 }
 
+// One k16 step's m16n8k16 A fragment (bf16, times 2^-7) from a lane's 32-bit word of 8 codes and
+// the chunk's scales of its rows g (sg) and g + 8 (sg8).
+__device__ __forceinline__ void a_fragment(uint32_t q, uint32_t sg, uint32_t sg8, uint32_t (&a)[4]) {
+  uint32_t r0, r1, r2, r3;
+  unpack8(q, r0, r1, r2, r3);
+  a[0] = bmul2(r0, sg);   // row g,   MMA inputs 2t, 2t+1
+  a[1] = bmul2(r1, sg8);  // row g+8
+  a[2] = bmul2(r2, sg);   // row g,   MMA inputs 2t+8, 2t+9
+  a[3] = bmul2(r3, sg8);  // row g+8
+}
+
 __device__ __forceinline__ int4 ld_x(const uint16_t* p) {
   int4 r;
   asm volatile("ld.global.nc.v4.s32 {%0,%1,%2,%3}, [%4];"
@@ -295,14 +306,7 @@ __device__ __forceinline__ void half_mma(float (&acc)[TNW][MT][4], const int4 (&
     const int j = 2 * h + jj;
     uint32_t a[TNW][4];
 #pragma unroll
-    for (int tn = 0; tn < TNW; ++tn) {
-      uint32_t r0, r1, r2, r3;
-      unpack8(word(w[tn], j), r0, r1, r2, r3);
-      a[tn][0] = bmul2(r0, sg[tn]);   // row g,   MMA inputs 2t, 2t+1
-      a[tn][1] = bmul2(r1, sg8[tn]);  // row g+8
-      a[tn][2] = bmul2(r2, sg[tn]);   // row g,   MMA inputs 2t+8, 2t+9
-      a[tn][3] = bmul2(r3, sg8[tn]);  // row g+8
-    }
+    for (int tn = 0; tn < TNW; ++tn) a_fragment(word(w[tn], j), sg[tn], sg8[tn], a[tn]);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       const int4 xv = xh[mt * xstride];
@@ -1084,12 +1088,8 @@ __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
           chunk_scales(sc, c, sg, sg8);
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
-            uint32_t a[4], r0, r1, r2, r3;
-            unpack8(word(wb[c], j), r0, r1, r2, r3);
-            a[0] = bmul2(r0, sg);   // row g,   MMA inputs 2t, 2t+1
-            a[1] = bmul2(r1, sg8);  // row g+8
-            a[2] = bmul2(r2, sg);   // row g,   MMA inputs 2t+8, 2t+9
-            a[3] = bmul2(r3, sg8);  // row g+8
+            uint32_t a[4];
+            a_fragment(word(wb[c], j), sg, sg8, a);
             wg_fence(a);
             wgmma_bf16<BN>(acc, a, desc0 + ((c * T::kStage + j * T::kStep) >> 4));
             wg_commit();
@@ -1282,12 +1282,7 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
             uint32_t(&aj)[4] = a[c & 1][j];
-            uint32_t r0, r1, r2, r3;
-            unpack8(word(wv, j), r0, r1, r2, r3);
-            aj[0] = bmul2(r0, sg);   // row g,   MMA inputs 2t, 2t+1
-            aj[1] = bmul2(r1, sg8);  // row g+8
-            aj[2] = bmul2(r2, sg);   // row g,   MMA inputs 2t+8, 2t+9
-            aj[3] = bmul2(r3, sg8);  // row g+8
+            a_fragment(word(wv, j), sg, sg8, aj);
             wg_fence(aj);
             wgmma_bf16<BN>(acc, aj, desc0 + ((s * T::kStageBytes + j * T::kStep) >> 4));
             wg_commit();
@@ -1393,12 +1388,12 @@ __global__ void __launch_bounds__(256)
     uint32_t row0[8], row1[8];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      uint32_t o0, o1, o2, o3;
-      unpack8(word(q[c], j), o0, o1, o2, o3);
-      row0[2 * j] = bmul2(o0, sg);
-      row0[2 * j + 1] = bmul2(o2, sg);
-      row1[2 * j] = bmul2(o1, sg8);
-      row1[2 * j + 1] = bmul2(o3, sg8);
+      uint32_t a[4];
+      a_fragment(word(q[c], j), sg, sg8, a);
+      row0[2 * j] = a[0];
+      row0[2 * j + 1] = a[2];
+      row1[2 * j] = a[1];
+      row1[2 * j + 1] = a[3];
     }
     int4* s0 = reinterpret_cast<int4*>(sm + g * kRow + 32 * t);
     int4* s1 = reinterpret_cast<int4*>(sm + (g + 8) * kRow + 32 * t);
