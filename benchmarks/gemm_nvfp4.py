@@ -216,8 +216,8 @@ def sweep(models, ms, out_json):
 
 def sweep_wg(models, ms, out_json):
     """Per shape and M: bf16, dequantize + cuBLAS, the small kernel (automatic shape, M <= 128), and
-    the wgmma kernel with 1 or 2 warpgroups per block or warp-specialized (g3), whole columns (one block each) or columns
-    shared by stream K over 0.5, 1, 1.5 and 2 waves of resident blocks."""
+    the wgmma kernel with 1 or 2 warpgroups per block or warp-specialized (g3), whole columns (one
+    block each) or columns shared by stream K over 0.5, 1, 1.5 and 2 waves of resident blocks."""
     rows = []
     dev = torch.device("cuda")
     for model, name, n, k in shapes(models):

@@ -335,7 +335,7 @@ def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = N
             bn //= 2
     if bn is None:
         bn = next((b for b in WG_BN if b >= m), _WG_TILE_ROWS)
-        if bn == WG_BN[-1] and wg in (None, 2) and \
+        if bn == WG_BN[-1] and wg == 2 and \
                 _wg_columns(p, 2) >= _WG_WHOLE_FILL * _wg_occupancy(_WG_TILE_ROWS, 2) * sm_count(device):
             bn = _WG_TILE_ROWS
     if wg is None:
