@@ -1141,6 +1141,7 @@ struct WsTile {
   static constexpr int kStages = kBudget / kStageBytes < 16 ? kBudget / kStageBytes : 16;
   static constexpr int kHead = 1024;  // the barriers
   static constexpr int kSmem = kHead + kStages * kStageBytes;
+  static_assert(kStageBytes % 16 == 0 && kStep % 16 == 0, "descriptor offsets are in 16-byte units");
 };
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
@@ -1279,12 +1280,15 @@ __global__ void __launch_bounds__(384, 1)
                        : "r"(st + T::kAct + cw * 512 + lane * 16));
           uint32_t sg, sg8;
           chunk_scales(sc, c, sg, sg8);
+          // the stage's descriptor once a chunk; the steps' offsets are constants (no dependent
+          // 64-bit arithmetic before each wgmma)
+          const uint64_t dstage = desc0 + (uint32_t)s * (uint32_t)(T::kStageBytes >> 4);
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
             uint32_t(&aj)[4] = a[c & 1][j];
             a_fragment(word(wv, j), sg, sg8, aj);
             wg_fence(aj);
-            wgmma_bf16<BN>(acc, aj, desc0 + ((s * T::kStageBytes + j * T::kStep) >> 4));
+            wgmma_bf16<BN>(acc, aj, dstage + (j * T::kStep >> 4));
             wg_commit();
           }
           wg_wait<4>();  // the previous chunk's steps are done: its stage and A registers are free
