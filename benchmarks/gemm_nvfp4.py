@@ -216,7 +216,8 @@ def sweep(models, ms, out_json):
 
 def sweep_wg(models, ms, out_json):
     """Per shape and M: bf16, dequantize + cuBLAS, the small kernel (automatic shape, M <= 128), and
-    the wgmma kernel with 1 or 2 warpgroups per block or warp-specialized (g3), whole columns (one
+    the wgmma kernel with 1 or 2 warpgroups per block or warp-specialized (g3; g4 with columns of 256
+    weight rows), whole columns (one
     block each) or columns shared by stream K over 0.5, 1, 1.5 and 2 waves of resident blocks."""
     rows = []
     dev = torch.device("cuda")
@@ -233,7 +234,7 @@ def sweep_wg(models, ms, out_json):
             # smallest single row tile
             single = [b for b in gemm.WG_BN if b >= m][:1]
             for bn in dict.fromkeys([bn0] + [b for b in (bn0 // 2,) if b in gemm.WG_BN] + single):
-                for wg in (1, 2, 3):
+                for wg in (1, 2, 3, 4):
                     if (bn, wg) not in gemm._WG_VARIANTS:
                         continue
                     cols = gemm.wg_config(m, p, dev, bn, wg).columns

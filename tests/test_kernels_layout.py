@@ -224,16 +224,19 @@ def test_wgmma_path_and_launch_rule(monkeypatch):
     two two-warpgroup blocks of up to 128 rows): above 32 rows, and from 30M weights above 16, the
     warp-specialized kernel (wg = 3) in one row tile shared by stream K, or, on layers with few
     column blocks x K groups, from 128 rows in two tiles of half the rows with whole columns;
-    past 256 rows tiles of 128; dequantize + cuBLAS beyond the crossovers; explicit arguments
-    keep the two-warpgroup kernel."""
+    on wide layers with long rows, columns of 256 weight rows (wg = 4) up to 32 rows, or up to 64
+    where they fill most of a wave (then whole columns); past 256
+    rows tiles of 128; dequantize + cuBLAS beyond the crossovers; explicit arguments keep the
+    two-warpgroup kernel."""
     from types import SimpleNamespace
 
     from engine.kernels import nvfp4_gemm as gemm
 
     monkeypatch.setattr(gemm, "sm_count", lambda device: 132)
-    monkeypatch.setattr(gemm, "_wg_occupancy", lambda bn, wg: 1 if wg == 3 or bn > 128 else (4 if wg == 1 else 2))
+    monkeypatch.setattr(gemm, "_wg_occupancy", lambda bn, wg: 1 if wg >= 3 or bn > 128 else (4 if wg == 1 else 2))
     monkeypatch.setattr(gemm, "WG_WS", False)
-    shapes = {"qkv7": (4608, 3584), "o7": (3584, 3584), "up7": (37888, 3584), "down7": (3584, 18944)}
+    shapes = {"qkv7": (4608, 3584), "o7": (3584, 3584), "up7": (37888, 3584), "down7": (3584, 18944),
+              "up14": (27648, 5120), "down14": (5120, 13824), "up32": (55296, 5120)}
     layers = {name: SimpleNamespace(n=n, k=k, ntiles=n // 16, kg=k // 256) for name, (n, k) in shapes.items()}
     path = {name: [gemm.kernel_path(m, n, k) for m in (16, 32, 64, 128, 256, 512, 1024)]
             for name, (n, k) in shapes.items()}
@@ -251,6 +254,12 @@ def test_wgmma_path_and_launch_rule(monkeypatch):
         ("up7", 128): (128, 3, 132, 296),
         ("down7", 256): (256, 3, 132, 28),  # 28 x 74 units: one tile, stream K
         ("up7", 512): (128, 3, 296, 296),
+        ("up14", 17): (32, 4, 108, 108),  # N >= 16384, K >= 4096: columns of 16 tiles, here 0.82 wave:
+        ("up14", 64): (64, 4, 108, 108),  # whole columns, up to 64 rows
+        ("up14", 65): (128, 3, 132, 216),
+        ("up32", 32): (32, 4, 132, 216),  # 1.6 waves of 16-tile columns: stream K, up to 32 rows only
+        ("up32", 64): (64, 3, 132, 432),
+        ("down14", 64): (64, 3, 132, 40),
     }
     for (name, m), cfg in want.items():
         assert tuple(gemm.wg_config(m, layers[name], cpu)) == cfg, (name, m)

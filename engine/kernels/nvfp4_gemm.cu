@@ -812,6 +812,13 @@ __device__ __forceinline__ void wgmma_bf16<256>(float (&d)[128], const uint32_t 
 __device__ __forceinline__ void wg_fence(uint32_t (&a)[4]) {
   asm volatile("wgmma.fence.sync.aligned;" : "+r"(a[0]), "+r"(a[1]), "+r"(a[2]), "+r"(a[3])::"memory");
 }
+// The same for a chunk's four A fragments.
+__device__ __forceinline__ void wg_fence4(uint32_t (&a)[4][4]) {
+  asm volatile("wgmma.fence.sync.aligned;"
+               : "+r"(a[0][0]), "+r"(a[0][1]), "+r"(a[0][2]), "+r"(a[0][3]), "+r"(a[1][0]), "+r"(a[1][1]),
+                 "+r"(a[1][2]), "+r"(a[1][3]), "+r"(a[2][0]), "+r"(a[2][1]), "+r"(a[2][2]), "+r"(a[2][3]),
+                 "+r"(a[3][0]), "+r"(a[3][1]), "+r"(a[3][2]), "+r"(a[3][3])::"memory");
+}
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void wg_wait() {
@@ -847,13 +854,15 @@ struct WgSegment {
   bool whole;
   int tile;     // the warp's weight tile (warp w of the block's kTiles)
   bool active;  // the warp's warpgroup has weight rows in the layer (uniform per warpgroup)
+  int ntiles;   // the layer's weight tiles
   __device__ WgSegment(long long u, long long u_end, int kg, int kTiles, int w, int ntiles)
       : col((int)(u / kg)),
         g0((int)(u - (long long)col * kg)),
         g1((int)min((long long)kg, g0 + (u_end - u))),
         whole(g0 == 0 && g1 == kg),
         tile(col * kTiles + w),
-        active(col * kTiles + (w & ~3) < ntiles) {}
+        active(col * kTiles + (w & ~3) < ntiles),
+        ntiles(ntiles) {}
 };
 
 // The end of a K segment in the wgmma kernels: a whole column writes its outputs; a shared one writes
@@ -861,38 +870,105 @@ struct WgSegment {
 // them. acc[4i + e]: weight row g + 8 (e >> 1) of the warp's tile (wl of the column block, whose
 // kWidth / 16 tiles start at tile - wl), activation row m0 + 8i + 2t + (e & 1). kThreads threads
 // take part (all of the block, or the compute warpgroups through named barrier 1).
-template <int BN, int kWidth, int kThreads, bool kNamedBarrier>
-__device__ __forceinline__ void wg_segment_out(const float (&acc)[BN / 2], const WgSegment& seg, int wl, int tid,
-                                               int lane, int b, int blocks, long long units, int kg, int M, int N,
-                                               int m0, int ldy, float alpha, uint16_t* y, float* ws, int* counters,
-                                               int& is_last) {
-  const int g = lane >> 2, t = lane & 3, col = seg.col, tile = seg.tile;
-  const bool active = seg.active;
+// A ticket: atomic add of 1 with release (the block's writes, ordered before it by a block barrier,
+// are visible to whoever acquires a later value) and acquire (the writes released by earlier
+// tickets are visible after it, to the block once it meets a barrier); returns the old value.
+__device__ __forceinline__ int ticket_acq_rel(int* p) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(p) : "memory");
+  return old;
+}
+
+// H: weight tiles per warp, acc[h] that of tile wl + 8 h of the column (H = 2: columns of 16 tiles).
+template <int BN, int kWidth, int kThreads, bool kNamedBarrier, int H>
+__device__ __forceinline__ void wg_segment_out_h(float (&acc)[H][BN / 2], const WgSegment& seg, int wl,
+                                                 int tid, int lane, int b, int blocks, long long units, int kg, int M,
+                                                 int N, int m0, int ldy, float alpha, uint16_t* y, float* ws,
+                                                 int* counters, int& is_last) {
+  const int g = lane >> 2, t = lane & 3, col = seg.col;
   auto sync = [] {
     if constexpr (kNamedBarrier) asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory");
     else __syncthreads();
   };
-  if (seg.whole) {
-    if (active) {
+  // tile h of the warp: seg.tile + 8 h; its warpgroup has rows in the layer
+  auto active = [&](int h) { return h == 0 ? seg.active : seg.tile - wl + 8 * h + (wl & ~3) < seg.ntiles; };
+  auto write_y = [&](const float (&v)[H][BN / 2]) {
+#pragma unroll
+    for (int h = 0; h < H; ++h) {
+      if (!active(h)) continue;
+      const int tile = seg.tile + 8 * h;
 #pragma unroll
       for (int i = 0; i < BN / 8; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int tk = m0 + 8 * i + 2 * t + (e & 1), nn = tile * 16 + g + 8 * (e >> 1);
-          if (tk < M && nn < N) y[(size_t)tk * ldy + nn] = to_bf16(acc[4 * i + e] * alpha);
+          if (tk < M && nn < N) y[(size_t)tk * ldy + nn] = to_bf16(v[h][4 * i + e] * alpha);
         }
     }
+  };
+  if (seg.whole) {
+    write_y(acc);
+    return;
+  }
+  if constexpr (BN <= 32) {
+    // A shared column (one row tile, m0 = 0) of up to 32 rows per block: every thread stores its
+    // accumulators as they lie in its registers (float4 q of thread tid at q * kThreads + tid of the
+    // block's slot: coalesced 16-byte stores), and the column's last block adds the segments' slots
+    // in segment order, each thread its own positions into its accumulators, then writes the outputs
+    // as a whole column would (6-9% less time than the path below at 32 rows on 7B q/k/v, o and
+    // down; slower from 64-row blocks).
+    constexpr int Q = H * BN / 8;                     // float4 of a thread
+    constexpr size_t kSlot4 = (size_t)Q * kThreads;  // float4 of a slot (BN x kWidth floats)
+    float4* part = reinterpret_cast<float4*>(ws) + (size_t)(b + col) * kSlot4 + tid;
+#pragma unroll
+    for (int h = 0; h < H; ++h)
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i)
+        __stcg(part + (h * (BN / 8) + i) * kThreads,
+               make_float4(acc[h][4 * i], acc[h][4 * i + 1], acc[h][4 * i + 2], acc[h][4 * i + 3]));
+    const long long c0 = (long long)col * kg;
+    const int b0 = sk_owner(c0, units, blocks);
+    const int nseg = sk_owner(c0 + kg - 1, units, blocks) - b0 + 1;
+    sync();  // the block's stores come before thread 0's release
+    if (tid == 0) is_last = ticket_acq_rel(&counters[col]) == nseg - 1;
+    sync();  // and the other segments' stores before the last block's loads (thread 0's acquire)
+    if (is_last) {  // acc (already stored) becomes the sum, 4 float4 of each slot in flight at a time
+      const float4* s0 = reinterpret_cast<const float4*>(ws) + (size_t)(b0 + col) * kSlot4 + tid;
+      constexpr int QC = Q < 4 ? Q : 4;
+#pragma unroll
+      for (int q0 = 0; q0 < Q; q0 += QC)
+        for (int j = 0; j < nseg; ++j) {
+          float4 w[QC];
+#pragma unroll
+          for (int q = 0; q < QC; ++q) w[q] = __ldcg(s0 + j * kSlot4 + (q0 + q) * kThreads);
+#pragma unroll
+          for (int q = 0; q < QC; ++q) {
+            float* vq = &acc[(q0 + q) / (BN / 8)][4 * ((q0 + q) % (BN / 8))];
+            if (j == 0) {
+              vq[0] = w[q].x, vq[1] = w[q].y, vq[2] = w[q].z, vq[3] = w[q].w;
+            } else {
+              vq[0] += w[q].x, vq[1] += w[q].y, vq[2] += w[q].z, vq[3] += w[q].w;
+            }
+          }
+        }
+      write_y(acc);
+      if (tid == 0) counters[col] = 0;
+    }
   } else {
-    // a shared column (one row tile, m0 = 0): partial sums, then the column's last block adds them
+    // A shared column (one row tile, m0 = 0) of more than 32 rows per block: partial sums in the
+    // outputs' order (M x kWidth floats a slot), then the column's last block adds them in segment
+    // order and writes them, four consecutive outputs a thread.
     const size_t slot = (size_t)M * kWidth;
-    if (active) {
-      float* part = ws + (size_t)(b + col) * slot + wl * 16 + g;
+#pragma unroll
+    for (int h = 0; h < H; ++h) {
+      if (!active(h)) continue;
+      float* part = ws + (size_t)(b + col) * slot + (wl + 8 * h) * 16 + g;
 #pragma unroll
       for (int i = 0; i < BN / 8; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int tk = 8 * i + 2 * t + (e & 1);
-          if (tk < M) part[(size_t)tk * kWidth + 8 * (e >> 1)] = acc[4 * i + e];
+          if (tk < M) part[(size_t)tk * kWidth + 8 * (e >> 1)] = acc[h][4 * i + e];
         }
     }
     const long long c0 = (long long)col * kg;
@@ -904,7 +980,7 @@ __device__ __forceinline__ void wg_segment_out(const float (&acc)[BN / 2], const
     sync();
     if (is_last) {
       __threadfence();
-      constexpr int R = BN >= 32 ? 4 : 2, P = 2;
+      constexpr int R = 4, P = 2;
       const float4* s0 = reinterpret_cast<const float4*>(ws + (size_t)(b0 + col) * slot);
       const size_t slot4 = slot / 4;
       const int n4 = M * kWidth / 4, nb = col * kWidth;
@@ -946,8 +1022,18 @@ __device__ __forceinline__ void wg_segment_out(const float (&acc)[BN / 2], const
       }
       if (tid == 0) counters[col] = 0;
     }
-    sync();  // is_last is read before the next segment's ticket rewrites it
   }
+  sync();  // is_last is read before the next segment's ticket rewrites it
+}
+
+template <int BN, int kWidth, int kThreads, bool kNamedBarrier>
+__device__ __forceinline__ void wg_segment_out(float (&acc)[BN / 2], const WgSegment& seg, int wl, int tid,
+                                               int lane, int b, int blocks, long long units, int kg, int M, int N,
+                                               int m0, int ldy, float alpha, uint16_t* y, float* ws, int* counters,
+                                               int& is_last) {
+  wg_segment_out_h<BN, kWidth, kThreads, kNamedBarrier, 1>(reinterpret_cast<float(&)[1][BN / 2]>(acc), seg, wl,
+                                                           tid, lane, b, blocks, units, kg, M, N, m0, ldy, alpha, y,
+                                                           ws, counters, is_last);
 }
 
 template <int BN, int WG>
@@ -1115,7 +1201,7 @@ __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
   }
 }
 
-// ---- Medium M, warp-specialized (wg = 3) --------------------------------------------------------
+// ---- Medium M, warp-specialized (wg = 3, 4) -----------------------------------------------------
 // Three warpgroups per block: one warp of warpgroup 0 only issues copies into a ring of kStages
 // chunk stages, warpgroups 1 and 2 (64 weight rows each, as gemm_wg_kernel's two) only compute.
 // A stage holds one chunk (64 inputs): its activations, in gemm_wg_kernel's ring layout, copied
@@ -1131,12 +1217,17 @@ __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
 // stay in flight and no barrier of the whole block is met in the loop. The producer issues the
 // weights of its first kStages chunks before griddepcontrol.wait. The grid, stream-K segments,
 // workspace and epilogue are gemm_wg_kernel's with WG = 2.
-template <int BN>
+// H = 2 (wg = 4): each compute warp owns two weight tiles, cw and cw + 8, so that a column block is
+// 256 weight rows and every stage's activations serve twice the weights (two accumulators a warp,
+// at most 64 rows per block). With 32 or 64 rows per block a chunk's four A fragments share one
+// wgmma.fence and one commit group (H = 1; 1-2.5% less time than one each).
+template <int BN, int H = 1>
 struct WsTile {
+  static constexpr int kTiles = 8 * H;             // weight tiles of a column block
   static constexpr int kStep = WgTile<BN>::kStep;  // bytes of one k16 step of activations (all BN rows)
   static constexpr int kAct = WgTile<BN>::kStage;  // activations of one chunk (gemm_wg_kernel's stage)
-  static constexpr int kW = 8 * 512;          // weights of one chunk, 8 tiles
-  static constexpr int kStageBytes = kAct + kW + 8 * 256;  // + the group's scales (first chunk)
+  static constexpr int kW = kTiles * 512;          // weights of one chunk
+  static constexpr int kStageBytes = kAct + kW + kTiles * 256;  // + the group's scales (first chunk)
   static constexpr int kBudget = 227 * 1024 - 2048;
   static constexpr int kStages = kBudget / kStageBytes < 16 ? kBudget / kStageBytes : 16;
   static constexpr int kHead = 1024;  // the barriers
@@ -1174,15 +1265,15 @@ __device__ __forceinline__ void tma_copy_2d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
-template <int BN>
+template <int BN, int H>
 __global__ void __launch_bounds__(384, 1)
     gemm_ws_kernel(const int4* __restrict__ wq, const uint16_t* __restrict__ x, uint16_t* __restrict__ y,
                    float* __restrict__ ws, int* __restrict__ counters, const float* __restrict__ alpha_p, int M,
                    int N, int K, int ldx, int ldy, int ntiles, int kg, int ncols, int pf,
                    const __grid_constant__ CUtensorMap wmap, const __grid_constant__ CUtensorMap smap) {
-  using T = WsTile<BN>;
+  using T = WsTile<BN, H>;
   constexpr int S = T::kStages;
-  constexpr int kTiles = 8, kWidth = kTiles * 16;
+  constexpr int kTiles = T::kTiles, kWidth = kTiles * 16;
   extern __shared__ __align__(128) char ws_smem[];
   __shared__ int is_last;
   // the warp index as a value the compiler knows to be warp-uniform (no divergent wgmma path)
@@ -1217,13 +1308,13 @@ __global__ void __launch_bounds__(384, 1)
     };
     const Cursor start{(int)(u_beg / kg), (int)(u_beg % kg), 0};
     const char* xz = reinterpret_cast<const char*>(x) + (size_t)blockIdx.z * kg * 4 * T::kAct;
-    // the chunk's weights (8 tiles x 512 bytes) and, at a group's first chunk, its scales (8 x 256
-    // bytes): one box of a tensor map each (rows = weight tiles; tiles past the layer read as zeros
-    // and count in the bytes like the others)
+    // the chunk's weights (kTiles tiles x 512 bytes) and, at a group's first chunk, its scales
+    // (kTiles x 256 bytes): one box of a tensor map each (rows = weight tiles; tiles past the layer
+    // read as zeros and count in the bytes like the others)
     auto issue_w = [&](const Cursor& q, int s) {
       if (lane != 0) return;
       const uint32_t bar = full0 + 8 * s, dst = stage0 + s * T::kStageBytes + T::kAct;
-      mbar_expect_tx(bar, T::kAct + T::kW + (q.c == 0 ? 8 * 256 : 0));
+      mbar_expect_tx(bar, T::kAct + T::kW + (q.c == 0 ? kTiles * 256 : 0));
       tma_copy_2d(dst, &wmap, q.g * 576 + q.c * 128, q.col * kTiles, bar);
       if (q.c == 0) tma_copy_2d(dst + T::kW, &smap, q.g * 576 + 512, q.col * kTiles, bar);
     };
@@ -1257,12 +1348,17 @@ __global__ void __launch_bounds__(384, 1)
     const int g0 = seg.g0, g1 = seg.g1;
     const bool active = seg.active;
 
-    float acc[BN / 2];
+    // half h of the warpgroup's rows: the warp's tile cw + 8 h (H = 2: columns of 16 tiles)
+    const bool active1 = H > 1 && seg.col * kTiles + 8 + (cw & ~3) < ntiles;
+    float acc[H][BN / 2];
 #pragma unroll
-    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
-    fence_acc(acc);
-    int2 sc = make_int2(0, 0);
-    uint32_t a[2][4][4];
+    for (int h = 0; h < H; ++h) {
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) acc[h][i] = 0.f;
+      fence_acc(acc[h]);
+    }
+    int2 sc[H];
+    uint32_t a[2][H][4][4];
     bool first = true;
     for (int gi = g0; gi < g1; ++gi) {
 #pragma unroll
@@ -1270,28 +1366,52 @@ __global__ void __launch_bounds__(384, 1)
         mbar_wait(full0 + 8 * s, use & 1);
         const uint32_t st = stage0 + s * T::kStageBytes;
         if (active) {
-          if (c == 0)
-            asm volatile("ld.shared.v2.s32 {%0,%1}, [%2];"
-                         : "=r"(sc.x), "=r"(sc.y)
-                         : "r"(st + T::kAct + T::kW + cw * 256 + lane * 8));
-          int4 wv;
-          asm volatile("ld.shared.v4.s32 {%0,%1,%2,%3}, [%4];"
-                       : "=r"(wv.x), "=r"(wv.y), "=r"(wv.z), "=r"(wv.w)
-                       : "r"(st + T::kAct + cw * 512 + lane * 16));
-          uint32_t sg, sg8;
-          chunk_scales(sc, c, sg, sg8);
+          int4 wv[H];
+#pragma unroll
+          for (int h = 0; h < H; ++h) {
+            if (c == 0)
+              asm volatile("ld.shared.v2.s32 {%0,%1}, [%2];"
+                           : "=r"(sc[h].x), "=r"(sc[h].y)
+                           : "r"(st + T::kAct + T::kW + (cw + 8 * h) * 256 + lane * 8));
+            asm volatile("ld.shared.v4.s32 {%0,%1,%2,%3}, [%4];"
+                         : "=r"(wv[h].x), "=r"(wv[h].y), "=r"(wv[h].z), "=r"(wv[h].w)
+                         : "r"(st + T::kAct + (cw + 8 * h) * 512 + lane * 16));
+          }
           // the stage's descriptor once a chunk; the steps' offsets are constants (no dependent
           // 64-bit arithmetic before each wgmma)
           const uint64_t dstage = desc0 + (uint32_t)s * (uint32_t)(T::kStageBytes >> 4);
+          if constexpr (BN <= 64 && H == 1) {  // one fence and one commit group a chunk (faster at <= 64 rows)
+            {
+              constexpr int h = 0;
+              uint32_t sg, sg8;
+              chunk_scales(sc[h], c, sg, sg8);
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            uint32_t(&aj)[4] = a[c & 1][j];
-            a_fragment(word(wv, j), sg, sg8, aj);
-            wg_fence(aj);
-            wgmma_bf16<BN>(acc, aj, dstage + (j * T::kStep >> 4));
+              for (int j = 0; j < 4; ++j) a_fragment(word(wv[h], j), sg, sg8, a[c & 1][h][j]);
+              wg_fence4(a[c & 1][h]);
+#pragma unroll
+              for (int j = 0; j < 4; ++j) wgmma_bf16<BN>(acc[h], a[c & 1][h][j], dstage + (j * T::kStep >> 4));
+            }
             wg_commit();
+            wg_wait<1>();  // the previous chunk's steps are done: its stage and A registers are free
+          } else {
+#pragma unroll
+            for (int h = 0; h < H; ++h) {
+              if (h > 0 && !active1) break;
+              uint32_t sg, sg8;
+              chunk_scales(sc[h], c, sg, sg8);
+#pragma unroll
+              for (int j = 0; j < 4; ++j) {
+                uint32_t(&aj)[4] = a[c & 1][h][j];
+                a_fragment(word(wv[h], j), sg, sg8, aj);
+                wg_fence(aj);
+                wgmma_bf16<BN>(acc[h], aj, dstage + (j * T::kStep >> 4));
+                wg_commit();
+              }
+            }
+            // the previous chunk's steps are done: its stage and A registers are free
+            if (H == 1 || !active1) wg_wait<4>();
+            else wg_wait<4 * H>();
           }
-          wg_wait<4>();  // the previous chunk's steps are done: its stage and A registers are free
         }
         if (!first && lane == 0) mbar_arrive(empty0 + 8 * sp);
         first = false;
@@ -1300,11 +1420,12 @@ __global__ void __launch_bounds__(384, 1)
       }
     }
     wg_wait<0>();
-    fence_acc(acc);
+#pragma unroll
+    for (int h = 0; h < H; ++h) fence_acc(acc[h]);
     if (lane == 0) mbar_arrive(empty0 + 8 * sp);
 
-    wg_segment_out<BN, kWidth, 256, true>(acc, seg, cw, ct, lane, b, blocks, units, kg, M, N, m0,
-                                          ldy, alpha, y, ws, counters, is_last);
+    wg_segment_out_h<BN, kWidth, 256, true, H>(acc, seg, cw, ct, lane, b, blocks, units, kg, M, N, m0,
+                                               ldy, alpha, y, ws, counters, is_last);
     u += g1 - g0;
   }
 }
@@ -1461,18 +1582,24 @@ Variant wg_variant() {
   return {reinterpret_cast<void*>(&gemm_wg_kernel<BN, WG>), WgTile<BN>::kSmem};
 }
 
-template <int BN>
+template <int BN, int H>
 Variant ws_variant() {
-  return {reinterpret_cast<void*>(&gemm_ws_kernel<BN>), WsTile<BN>::kSmem};
+  return {reinterpret_cast<void*>(&gemm_ws_kernel<BN, H>), WsTile<BN, H>::kSmem};
 }
 
-// wg 1 or 2: gemm_wg_kernel; wg 3: gemm_ws_kernel (two compute warpgroups and a producer).
+// wg 1 or 2: gemm_wg_kernel; wg 3: gemm_ws_kernel (two compute warpgroups and a producer), wg 4:
+// the same with two weight tiles per compute warp (columns of 256 weight rows).
 Variant pick_wg(int bn, int wg) {
   if (wg == 3) {
-    if (bn == 32) return ws_variant<32>();
-    if (bn == 64) return ws_variant<64>();
-    if (bn == 128) return ws_variant<128>();
-    if (bn == 256) return ws_variant<256>();
+    if (bn == 32) return ws_variant<32, 1>();
+    if (bn == 64) return ws_variant<64, 1>();
+    if (bn == 128) return ws_variant<128, 1>();
+    if (bn == 256) return ws_variant<256, 1>();
+    return {nullptr, 0};
+  }
+  if (wg == 4) {
+    if (bn == 32) return ws_variant<32, 2>();
+    if (bn == 64) return ws_variant<64, 2>();
     return {nullptr, 0};
   }
 #define QERL_CASE(A, B) \
@@ -1485,8 +1612,8 @@ Variant pick_wg(int bn, int wg) {
 }
 
 // The weight records as a 2-D tensor of 32-bit words for the warp-specialized kernel's copies:
-// one row per 16-row weight tile (its kg records of 576 words), boxes of 8 tiles x `words` words.
-cudaError_t weight_map(CUtensorMap* map, const void* wq, int ntiles, int kg, int words) {
+// one row per 16-row weight tile (its kg records of 576 words), boxes of `tiles` tiles x `words` words.
+cudaError_t weight_map(CUtensorMap* map, const void* wq, int ntiles, int kg, int words, int tiles) {
   using Encode = PFN_cuTensorMapEncodeTiled_v12000;
   static const Encode encode = [] {
     void* fn = nullptr;
@@ -1502,7 +1629,7 @@ cudaError_t weight_map(CUtensorMap* map, const void* wq, int ntiles, int kg, int
   if (encode == nullptr) return cudaErrorNotSupported;
   const cuuint64_t dims[2] = {(cuuint64_t)kg * 576, (cuuint64_t)ntiles};
   const cuuint64_t strides[1] = {(cuuint64_t)kg * 2304};
-  const cuuint32_t box[2] = {(cuuint32_t)words, 8}, steps[2] = {1, 1};
+  const cuuint32_t box[2] = {(cuuint32_t)words, (cuuint32_t)tiles}, steps[2] = {1, 1};
   const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT32, 2, const_cast<void*>(wq), dims, strides, box, steps,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
@@ -1577,26 +1704,29 @@ int qerl_nvfp4_gemm_small(int mt, int tnw, int wpt, const void* wq, const void* 
 
 // Medium M: the wgmma kernel. bn: activation rows per block (16, 32, 64, 96, 128; 192 and 256
 // with wg = 2); wg: warpgroups per block (64 weight rows each), or 3 for the warp-specialized
-// kernel (32, 64, 128, 256 rows; two compute warpgroups, columns as wg = 2); blocks: the grid along x, from
+// kernel (32, 64, 128, 256 rows; two compute warpgroups, columns as wg = 2), or 4 for that kernel
+// with columns of 256 weight rows (32, 64 rows); blocks: the grid along x, from
 // one block per column block (ncols, whole columns) to ncols * kg (one group each); other than
 // ncols it shares columns between blocks (stream K), which needs the workspace, (blocks + ncols)
-// slots of M x 64 wg floats (128 for wg = 3), and a single row tile. Rows past bn go to further blocks along z.
+// slots of bn x 64 wg floats (128 for wg = 3, 256 for wg = 4), and a single row tile. Rows past bn
+// go to further blocks along z.
 // From kPermutedRows rows per block xp (bf16, mtiles * bn rows of kg * 256) takes the permuted
-// activations, written by a kernel of its own launched first; with wg = 3 always, as stage images
+// activations, written by a kernel of its own launched first; with wg = 3 or 4 always, as stage images
 // (mtiles x 4 kg x qerl_nvfp4_ws_stage_bytes(bn) bytes).
 int qerl_nvfp4_gemm_wg(int bn, int wg, const void* wq, const void* x, void* y, void* ws, void* xp,
                        void* counters, const void* alpha, int M, int N, int K, int ldx, int ldy,
                        int ntiles, int kg, int blocks, int pf, void* stream) {
   const Variant v = pick_wg(bn, wg);
   const int mtiles = (M + bn - 1) / bn;
-  const int per_col = 4 * (wg == 3 ? 2 : wg);  // weight tiles per column block
+  const bool ws_kernel = wg >= 3;  // gemm_ws_kernel
+  const int per_col = wg == 4 ? 16 : 4 * (wg == 3 ? 2 : wg);  // weight tiles per column block
   int ncols = (ntiles + per_col - 1) / per_col;
   if (v.fn == nullptr || blocks < 1 || (long long)blocks > (long long)ncols * kg ||
-      (blocks != ncols && (mtiles > 1 || ws == nullptr)) || ((bn >= kPermutedRows || wg == 3) && xp == nullptr))
+      (blocks != ncols && (mtiles > 1 || ws == nullptr)) || ((bn >= kPermutedRows || ws_kernel) && xp == nullptr))
     return (int)cudaErrorInvalidValue;
   cudaError_t err = allow_smem(v);
   if (err != cudaSuccess) return (int)err;
-  if (wg == 3) {  // the activations as images of the ring's stages first
+  if (ws_kernel) {  // the activations as images of the ring's stages first
     int rows = mtiles * bn, chunks = kg * 4;
     const long long pieces = (long long)rows * chunks * 8;
     void* pargs[] = {const_cast<void**>(&x), &xp, &M, &K, &ldx, &rows, &chunks};
@@ -1618,22 +1748,22 @@ int qerl_nvfp4_gemm_wg(int bn, int wg, const void* wq, const void* x, void* y, v
     ldx = kpad;
   }
   dim3 grid(blocks, 1, mtiles);
-  CUtensorMap wmap, smap;  // wg = 3: the weights' and the scales' boxes
-  if (wg == 3) {
-    if ((err = weight_map(&wmap, wq, ntiles, kg, 128)) != cudaSuccess ||
-        (err = weight_map(&smap, wq, ntiles, kg, 64)) != cudaSuccess)
+  CUtensorMap wmap, smap;  // wg = 3, 4: the weights' and the scales' boxes
+  if (ws_kernel) {
+    if ((err = weight_map(&wmap, wq, ntiles, kg, 128, per_col)) != cudaSuccess ||
+        (err = weight_map(&smap, wq, ntiles, kg, 64, per_col)) != cudaSuccess)
       return (int)err;
   }
   void* args[] = {&wq, &x, &y, &ws, &counters, &alpha, &M, &N, &K,
                   &ldx, &ldy, &ntiles, &kg, &ncols, &pf, &wmap, &smap};
-  return (int)launch(v.fn, grid, dim3(wg * 128), v.smem, stream, args);
+  return (int)launch(v.fn, grid, dim3(ws_kernel ? 384 : wg * 128), v.smem, stream, args);
 }
 
 int qerl_nvfp4_occupancy_wg(int bn, int wg) {
   const Variant v = pick_wg(bn, wg);
   if (v.fn == nullptr || allow_smem(v) != cudaSuccess) return 0;
   int blocks = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, v.fn, wg * 128, v.smem) != cudaSuccess)
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, v.fn, wg >= 3 ? 384 : wg * 128, v.smem) != cudaSuccess)
     return 0;
   return blocks;
 }

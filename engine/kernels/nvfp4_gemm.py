@@ -70,7 +70,18 @@ WG_BN = (16, 32, 64, 96, 128, 192, 256)
 # wg = 3: the warp-specialized kernel (two compute warpgroups fed by a producer warpgroup through
 # a ring of shared-memory stages; columns of 128 weight rows as with wg = 2), for these row counts.
 WS_BN = (32, 64, 128, 256)
-_WG_VARIANTS = {(bn, 1) for bn in WG_BN if bn <= 128} | {(bn, 2) for bn in WG_BN} | {(bn, 3) for bn in WS_BN}
+# wg = 4: the warp-specialized kernel with two weight tiles per compute warp (columns of 256 weight
+# rows: half the activation copies per weight), for these row counts; the default on layers of at
+# least _WS2_MIN_N outputs and _WS2_MIN_K inputs up to 32 rows, and up to 64 where its columns fill
+# most of one wave (then whole columns, no partial sums). --sweep-wg on H200: 32B gate_up at 32 rows
+# 66.1 against 68.6 us with wg = 3; 14B gate_up (108 columns) 37.3 / 39.4 at 32 rows, 45.7 / 47.2
+# at 64; 32B gate_up at 64 rows 85.7 / 82.6 (slower); 7B gate_up (K = 3584) level; the down and
+# q/k/v layers, whose few columns stream K then cuts more often, 10-35% slower.
+WS2_BN = (32, 64)
+_WS2_MIN_N, _WS2_MIN_K = 16384, 4096
+_WG_VARIANTS = ({(bn, 1) for bn in WG_BN if bn <= 128} | {(bn, 2) for bn in WG_BN} | {(bn, 3) for bn in WS_BN}
+                | {(bn, 4) for bn in WS2_BN})
+_WG_TILES = {1: 4, 2: 8, 3: 8, 4: 16}  # weight tiles of a column block
 WG_WS = os.environ.get("QERL_NVFP4_WG_WS", "0") == "1"  # the warp-specialized kernel at every M > 16
 # Where it is the default (benchmarks/gemm_nvfp4.py --sweep-wg on H200, benchmarks/RESULTS.md):
 # above 32 rows on every layer the wgmma path takes, and at 17-32 rows from _WS_MIN_WEIGHTS
@@ -307,8 +318,9 @@ class WgConfig(NamedTuple):
 
 
 def _wg_columns(p: PreparedNVFP4, wg: int) -> int:
-    """Column blocks of the wgmma kernel: 4 weight tiles (64 rows) per compute warpgroup."""
-    return -(-p.ntiles // (4 * min(wg, 2)))
+    """Column blocks of the wgmma kernel: 4 weight tiles (64 rows) per compute warpgroup (8 with
+    wg = 4)."""
+    return -(-p.ntiles // _WG_TILES[wg])
 
 
 def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = None, wg: int | None = None,
@@ -316,7 +328,8 @@ def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = N
     """The wgmma kernel's launch shape for M rows (``WgConfig``).
 
     Unless wg is given: the warp-specialized kernel (wg = 3) above 32 rows, and at 17-32 rows on
-    layers of at least _WS_MIN_WEIGHTS weights (every M above 16 with QERL_NVFP4_WG_WS=1), in one
+    layers of at least _WS_MIN_WEIGHTS weights (every M above 16 with QERL_NVFP4_WG_WS=1), with
+    columns of 256 weight rows (wg = 4) up to 64 rows on wide layers (_WS2_MIN_N, _WS2_MIN_K); in one
     row tile of the fewest rows that hold M up to 256 rows, else in row tiles of 128; layers of
     few column blocks x K groups (_WS_SHORT_UNITS) take from 128 rows tiles of half the rows.
     Otherwise gemm_wg_kernel: rows past 256 go to row tiles of 128 (two blocks per SM where
@@ -328,7 +341,11 @@ def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = N
     (_WG_WHOLE_FILL).
     """
     if wg is None and bn is None and m > WG_BN[0] and (WG_WS or m > 32 or p.n * p.k >= _WS_MIN_WEIGHTS):
-        wg = 3
+        wg = 4 if p.n >= _WS2_MIN_N and p.k >= _WS2_MIN_K and (m <= 32 or (m <= 64 and _ws2_fills(p, device))) else 3
+    if bn is None and wg == 4:
+        bn = next((b for b in WS2_BN if b >= m), None)
+        if bn is None:
+            raise ValueError(f"the wgmma kernel with 256-row columns (wg = 4) takes up to {WS2_BN[-1]} rows, got {m}")
     if bn is None and wg == 3:
         bn = next((b for b in WS_BN if b >= m), _WG_TILE_ROWS)
         if bn >= _WG_TILE_ROWS and m <= WS_BN[-1] and _wg_columns(p, 3) * p.kg <= _WS_SHORT_UNITS:
@@ -351,9 +368,16 @@ def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = N
         return WgConfig(bn, wg, columns, columns)
     if blocks is None:
         wave = _wg_occupancy(bn, wg) * sm_count(device)
-        whole = columns >= _WG_WHOLE_WAVES * wave or (bn >= _WG_TILE_ROWS and _WG_WHOLE_FILL * wave <= columns <= wave)
+        whole = columns >= _WG_WHOLE_WAVES * wave or ((bn >= _WG_TILE_ROWS or wg == 4) and
+                                                       _WG_WHOLE_FILL * wave <= columns <= wave)
         blocks = columns if whole else round(WG_FILL * wave)
     return WgConfig(bn, wg, max(1, min(units, blocks)), columns)
+
+
+def _ws2_fills(p: PreparedNVFP4, device: torch.device) -> bool:
+    """The layer's columns of 256 weight rows fill most of one wave of resident blocks (whole columns)."""
+    wave = _wg_occupancy(WS2_BN[-1], 4) * sm_count(device)
+    return _WG_WHOLE_FILL * wave <= _wg_columns(p, 4) <= wave
 
 
 @lru_cache(maxsize=None)
@@ -375,15 +399,17 @@ def wg_permuted(m: int, cfg: WgConfig, kg: int) -> int:
     workspace (bf16, rows to the last row tile's end, K to whole groups), 0 below
     ``wg_permuted_rows`` rows per block; the warp-specialized kernel (wg = 3) always takes them,
     as images of its ring's stages (row tiles x chunks of 64 inputs)."""
-    if cfg.wg == 3:
+    if cfg.wg >= 3:
         return -(-m // cfg.bn) * kg * 4 * _ws_stage_bytes(cfg.bn) // 4
     return -(-m // cfg.bn) * cfg.bn * kg * 128 if cfg.bn >= wg_permuted_rows() else 0
 
 
 def wg_workspace(m: int, cfg: WgConfig, kg: int) -> int:
     """fp32 elements of the wgmma kernel's workspace: the permuted activations (``wg_permuted``),
-    then, when columns are shared, the partial sums."""
-    return wg_permuted(m, cfg, kg) + ((cfg.blocks + cfg.columns) * m * 64 * min(cfg.wg, 2) if cfg.shared else 0)
+    then, when columns are shared, the partial sums (a slot per block and column: M x the column's
+    weight rows, or bn x them up to 32 rows per block, where each thread stores its accumulators)."""
+    return wg_permuted(m, cfg, kg) + ((cfg.blocks + cfg.columns) * max(m, cfg.bn if cfg.bn <= 32 else 0) * 16
+                                      * _WG_TILES[cfg.wg] if cfg.shared else 0)
 
 
 def _prefetch(m: int) -> int:
