@@ -854,7 +854,7 @@ struct WgSegment {
   bool whole;
   int tile;     // the warp's weight tile (warp w of the block's kTiles)
   bool active;  // the warp's warpgroup has weight rows in the layer (uniform per warpgroup)
-  int ntiles;   // the layer's weight tiles
+  int w, ntiles;  // the warp, the layer's weight tiles
   __device__ WgSegment(long long u, long long u_end, int kg, int kTiles, int w, int ntiles)
       : col((int)(u / kg)),
         g0((int)(u - (long long)col * kg)),
@@ -862,7 +862,10 @@ struct WgSegment {
         whole(g0 == 0 && g1 == kg),
         tile(col * kTiles + w),
         active(col * kTiles + (w & ~3) < ntiles),
+        w(w),
         ntiles(ntiles) {}
+  // the same for half h of a column of 16 tiles (the warp's tile tile + 8 h); half 0 is `active`
+  __device__ bool active_half(int h) const { return tile - w + 8 * h + (w & ~3) < ntiles; }
 };
 
 // The end of a K segment in the wgmma kernels: a whole column writes its outputs; a shared one writes
@@ -890,12 +893,10 @@ __device__ __forceinline__ void wg_segment_out_h(float (&acc)[H][BN / 2], const 
     if constexpr (kNamedBarrier) asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory");
     else __syncthreads();
   };
-  // tile h of the warp: seg.tile + 8 h; its warpgroup has rows in the layer
-  auto active = [&](int h) { return h == 0 ? seg.active : seg.tile - wl + 8 * h + (wl & ~3) < seg.ntiles; };
   auto write_y = [&](const float (&v)[H][BN / 2]) {
 #pragma unroll
     for (int h = 0; h < H; ++h) {
-      if (!active(h)) continue;
+      if (!seg.active_half(h)) continue;
       const int tile = seg.tile + 8 * h;
 #pragma unroll
       for (int i = 0; i < BN / 8; ++i)
@@ -910,6 +911,9 @@ __device__ __forceinline__ void wg_segment_out_h(float (&acc)[H][BN / 2], const 
     write_y(acc);
     return;
   }
+  const long long c0 = (long long)col * kg;  // the column's segments: blocks b0 .. b0 + nseg - 1
+  const int b0 = sk_owner(c0, units, blocks);
+  const int nseg = sk_owner(c0 + kg - 1, units, blocks) - b0 + 1;
   if constexpr (BN <= 32) {
     // A shared column (one row tile, m0 = 0) of up to 32 rows per block: every thread stores its
     // accumulators as they lie in its registers (float4 q of thread tid at q * kThreads + tid of the
@@ -926,9 +930,6 @@ __device__ __forceinline__ void wg_segment_out_h(float (&acc)[H][BN / 2], const 
       for (int i = 0; i < BN / 8; ++i)
         __stcg(part + (h * (BN / 8) + i) * kThreads,
                make_float4(acc[h][4 * i], acc[h][4 * i + 1], acc[h][4 * i + 2], acc[h][4 * i + 3]));
-    const long long c0 = (long long)col * kg;
-    const int b0 = sk_owner(c0, units, blocks);
-    const int nseg = sk_owner(c0 + kg - 1, units, blocks) - b0 + 1;
     sync();  // the block's stores come before thread 0's release
     if (tid == 0) is_last = ticket_acq_rel(&counters[col]) == nseg - 1;
     sync();  // and the other segments' stores before the last block's loads (thread 0's acquire)
@@ -961,7 +962,7 @@ __device__ __forceinline__ void wg_segment_out_h(float (&acc)[H][BN / 2], const 
     const size_t slot = (size_t)M * kWidth;
 #pragma unroll
     for (int h = 0; h < H; ++h) {
-      if (!active(h)) continue;
+      if (!seg.active_half(h)) continue;
       float* part = ws + (size_t)(b + col) * slot + (wl + 8 * h) * 16 + g;
 #pragma unroll
       for (int i = 0; i < BN / 8; ++i)
@@ -971,9 +972,6 @@ __device__ __forceinline__ void wg_segment_out_h(float (&acc)[H][BN / 2], const 
           if (tk < M) part[(size_t)tk * kWidth + 8 * (e >> 1)] = acc[h][4 * i + e];
         }
     }
-    const long long c0 = (long long)col * kg;
-    const int b0 = sk_owner(c0, units, blocks);
-    const int nseg = sk_owner(c0 + kg - 1, units, blocks) - b0 + 1;
     __threadfence();
     sync();
     if (tid == 0) is_last = atomicAdd(&counters[col], 1) == nseg - 1;
@@ -1349,7 +1347,7 @@ __global__ void __launch_bounds__(384, 1)
     const bool active = seg.active;
 
     // half h of the warpgroup's rows: the warp's tile cw + 8 h (H = 2: columns of 16 tiles)
-    const bool active1 = H > 1 && seg.col * kTiles + 8 + (cw & ~3) < ntiles;
+    const bool active1 = H > 1 && seg.active_half(1);
     float acc[H][BN / 2];
 #pragma unroll
     for (int h = 0; h < H; ++h) {
@@ -1381,16 +1379,13 @@ __global__ void __launch_bounds__(384, 1)
           // 64-bit arithmetic before each wgmma)
           const uint64_t dstage = desc0 + (uint32_t)s * (uint32_t)(T::kStageBytes >> 4);
           if constexpr (BN <= 64 && H == 1) {  // one fence and one commit group a chunk (faster at <= 64 rows)
-            {
-              constexpr int h = 0;
-              uint32_t sg, sg8;
-              chunk_scales(sc[h], c, sg, sg8);
+            uint32_t sg, sg8;
+            chunk_scales(sc[0], c, sg, sg8);
 #pragma unroll
-              for (int j = 0; j < 4; ++j) a_fragment(word(wv[h], j), sg, sg8, a[c & 1][h][j]);
-              wg_fence4(a[c & 1][h]);
+            for (int j = 0; j < 4; ++j) a_fragment(word(wv[0], j), sg, sg8, a[c & 1][0][j]);
+            wg_fence4(a[c & 1][0]);
 #pragma unroll
-              for (int j = 0; j < 4; ++j) wgmma_bf16<BN>(acc[h], a[c & 1][h][j], dstage + (j * T::kStep >> 4));
-            }
+            for (int j = 0; j < 4; ++j) wgmma_bf16<BN>(acc[0], a[c & 1][0][j], dstage + (j * T::kStep >> 4));
             wg_commit();
             wg_wait<1>();  // the previous chunk's steps are done: its stage and A registers are free
           } else {
