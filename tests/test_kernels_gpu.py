@@ -173,8 +173,10 @@ def test_in_block_k_slices(wpt, tnw):
 @pytest.mark.parametrize("bn,wg", sorted(gemm._WG_VARIANTS))
 def test_every_wgmma_variant(n, k, bn, wg):
     """Whole columns and columns shared by stream K (one block; fewer blocks than columns; a
-    column cut unevenly; one group per block), beside the automatic grid."""
+    column cut unevenly; one group per block), beside the automatic grid; the warp-specialized
+    kernel with its activations staged and, below 128 rows per block, copied by itself."""
     p, wref, gscale = make_layer(n, k, seed=11)
+    copies = (False, True) if wg == 3 and bn in gemm.WS_DIRECT_BN else (False,)
     for m in sorted({max(1, bn - 13), bn, bn + 5}):
         x = torch.randn(m, p.k, device="cuda").bfloat16()
         ref = reference(x, wref, gscale)
@@ -183,8 +185,27 @@ def test_every_wgmma_variant(n, k, bn, wg):
         grids = {None} if m > bn else {None, 1, cfg.columns, max(1, cfg.columns - 1), 2 * cfg.columns + 1,
                                         (7 * cfg.columns) // 3, units}
         for blocks in grids:
-            checked_launch(p, x, ref, f"{n}x{k} M={m} bn={bn} wg={wg} blocks={blocks}",
-                           lambda out, ws: gemm.gemm_wg_into(x, p, out, bn=bn, wg=wg, blocks=blocks, workspace=ws))
+            for direct in copies:
+                checked_launch(p, x, ref, f"{n}x{k} M={m} bn={bn} wg={wg} blocks={blocks} direct={direct}",
+                               lambda out, ws: gemm.gemm_wg_into(x, p, out, bn=bn, wg=wg, blocks=blocks,
+                                                                 workspace=ws, direct=direct))
+
+
+def test_warp_specialized_copies_on_short_runs():
+    """The warp-specialized kernel copies the activations itself where a block's K groups times its
+    rows are few (7B q/k/v at 64 rows), stages them where they are many (7B gate_up), and the two
+    give the same bits."""
+    dev = torch.device("cuda")
+    qkv, _, _ = make_layer(4608, 3584, seed=14)
+    gate_up, _, _ = make_layer(37888, 3584, seed=15)
+    assert gemm.wg_config(64, qkv, dev).direct and not gemm.wg_config(64, gate_up, dev).direct
+    assert not gemm.wg_config(128, qkv, dev).direct  # 128-row blocks always take the staged images
+    for m in (40, 64):
+        x = torch.randn(m, qkv.k, device="cuda").bfloat16()
+        outs = [gemm.gemm_wg_into(x, qkv, poisoned(m, qkv)[0], wg=3, direct=d) for d in (False, True)]
+        assert torch.equal(outs[0], outs[1])
+    with pytest.raises(ValueError, match="copies the activations itself"):
+        gemm.wg_config(64, gate_up, dev, wg=4, direct=True)
 
 
 @pytest.mark.parametrize("m", [16, 64, 128])

@@ -245,21 +245,22 @@ def test_wgmma_path_and_launch_rule(monkeypatch):
     assert path["down7"] == ["small", "wg", "wg", "wg", "wg", "cublas", "cublas"]  # N < 7168
     assert path["up7"] == ["small", "wg", "wg", "wg", "wg", "wg", "cublas"]
     cpu = torch.device("cpu")
-    want = {  # (layer, M): (rows per block, warpgroups, blocks, column blocks)
-        ("o7", 32): (32, 2, 264, 28),  # 12.8M weights: two warpgroups, stream K over a wave of 2 x 132
-        ("up7", 17): (32, 3, 132, 296),  # 136M: warp-specialized from 17 rows
-        ("o7", 64): (64, 3, 132, 28),
-        ("qkv7", 128): (64, 3, 36, 36),  # 36 x 14 units: two row tiles of 64, whole columns
-        ("qkv7", 256): (128, 3, 36, 36),
-        ("up7", 128): (128, 3, 132, 296),
-        ("down7", 256): (256, 3, 132, 28),  # 28 x 74 units: one tile, stream K
-        ("up7", 512): (128, 3, 296, 296),
-        ("up14", 17): (32, 4, 108, 108),  # N >= 16384, K >= 4096: columns of 16 tiles, here 0.82 wave:
-        ("up14", 64): (64, 4, 108, 108),  # whole columns, up to 64 rows
-        ("up14", 65): (128, 3, 132, 216),
-        ("up32", 32): (32, 4, 132, 216),  # 1.6 waves of 16-tile columns: stream K, up to 32 rows only
-        ("up32", 64): (64, 3, 132, 432),
-        ("down14", 64): (64, 3, 132, 40),
+    want = {  # (layer, M): (rows per block, warpgroups, blocks, column blocks, copies its activations)
+        ("o7", 32): (32, 2, 264, 28, False),  # 12.8M weights: two warpgroups, stream K over a wave of 2 x 132
+        ("up7", 17): (32, 3, 132, 296, False),  # 136M: warp-specialized from 17 rows
+        ("o7", 64): (64, 3, 132, 28, True),  # 3 units of 64 rows a block: the producer copies x
+        ("qkv7", 64): (64, 3, 132, 36, True),
+        ("qkv7", 128): (64, 3, 36, 36, False),  # 36 x 14 units: two row tiles of 64, whole columns
+        ("qkv7", 256): (128, 3, 36, 36, False),
+        ("up7", 128): (128, 3, 132, 296, False),
+        ("down7", 256): (256, 3, 132, 28, False),  # 28 x 74 units: one tile, stream K
+        ("up7", 512): (128, 3, 296, 296, False),
+        ("up14", 17): (32, 4, 108, 108, False),  # N >= 16384, K >= 4096: columns of 16 tiles, here 0.82 wave:
+        ("up14", 64): (64, 4, 108, 108, False),  # whole columns, up to 64 rows
+        ("up14", 65): (128, 3, 132, 216, False),
+        ("up32", 32): (32, 4, 132, 216, False),  # 1.6 waves of 16-tile columns: stream K, up to 32 rows only
+        ("up32", 64): (64, 3, 132, 432, False),
+        ("down14", 64): (64, 3, 132, 40, False),
     }
     for (name, m), cfg in want.items():
         assert tuple(gemm.wg_config(m, layers[name], cpu)) == cfg, (name, m)

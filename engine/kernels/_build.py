@@ -29,7 +29,7 @@ _I = ctypes.c_int
 _SIGNATURES = {
     "qerl_nvfp4_gemm_small": [_I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I,
                               _P, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, ctypes.c_float, _P],
-    "qerl_nvfp4_gemm_wg": [_I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P],
+    "qerl_nvfp4_gemm_wg": [_I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P, _I],
     "qerl_nvfp4_occupancy": [_I, _I],
     "qerl_nvfp4_occupancy_wg": [_I, _I],
     "qerl_nvfp4_wg_permuted_rows": [],

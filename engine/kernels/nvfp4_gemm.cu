@@ -1219,17 +1219,22 @@ __global__ void __launch_bounds__(WG * 128, WG == 1 ? 4 : (BN <= 128 ? 2 : 1))
 // 256 weight rows and every stage's activations serve twice the weights (two accumulators a warp,
 // at most 64 rows per block). With 32 or 64 rows per block a chunk's four A fragments share one
 // wgmma.fence and one commit group (H = 1; 1-2.5% less time than one each).
-template <int BN, int H = 1>
+template <int BN, int H = 1, bool D = false>
 struct WsTile {
   static constexpr int kTiles = 8 * H;             // weight tiles of a column block
   static constexpr int kStep = WgTile<BN>::kStep;  // bytes of one k16 step of activations (all BN rows)
   static constexpr int kAct = WgTile<BN>::kStage;  // activations of one chunk (gemm_wg_kernel's stage)
   static constexpr int kW = kTiles * 512;          // weights of one chunk
   static constexpr int kStageBytes = kAct + kW + kTiles * 256;  // + the group's scales (first chunk)
-  static constexpr int kBudget = 227 * 1024 - 2048;
+  // D: the producer's warps 1-3 copy the activations (blocks of fewer than kPermutedRows rows with
+  // one weight tile per warp), through kRawSlots chunks of them as they lie in x (BN rows x 128
+  // bytes each) after the stages; otherwise stage_x_kernel writes them first.
+  static_assert(!D || (BN < kPermutedRows && H == 1), "copies of the activations: up to 64 rows, H = 1");
+  static constexpr int kRawSlots = 4, kRaw = D ? kRawSlots * BN * 128 : 0;
+  static constexpr int kBudget = 227 * 1024 - 2048 - kRaw;
   static constexpr int kStages = kBudget / kStageBytes < 16 ? kBudget / kStageBytes : 16;
   static constexpr int kHead = 1024;  // the barriers
-  static constexpr int kSmem = kHead + kStages * kStageBytes;
+  static constexpr int kSmem = kHead + kStages * kStageBytes + kRaw;
   static_assert(kStageBytes % 16 == 0 && kStep % 16 == 0, "descriptor offsets are in 16-byte units");
 };
 
@@ -1263,14 +1268,15 @@ __device__ __forceinline__ void tma_copy_2d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
-template <int BN, int H>
+template <int BN, int H, bool D>
 __global__ void __launch_bounds__(384, 1)
     gemm_ws_kernel(const int4* __restrict__ wq, const uint16_t* __restrict__ x, uint16_t* __restrict__ y,
                    float* __restrict__ ws, int* __restrict__ counters, const float* __restrict__ alpha_p, int M,
                    int N, int K, int ldx, int ldy, int ntiles, int kg, int ncols, int pf,
                    const __grid_constant__ CUtensorMap wmap, const __grid_constant__ CUtensorMap smap) {
-  using T = WsTile<BN, H>;
+  using T = WsTile<BN, H, D>;
   constexpr int S = T::kStages;
+  constexpr bool copies = D;  // warps 1-3 copy the activations from x
   constexpr int kTiles = T::kTiles, kWidth = kTiles * 16;
   extern __shared__ __align__(128) char ws_smem[];
   __shared__ int is_last;
@@ -1285,16 +1291,15 @@ __global__ void __launch_bounds__(384, 1)
   const uint32_t full0 = sbase, empty0 = sbase + 8 * S, stage0 = sbase + T::kHead;
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
-      mbar_init(full0 + 8 * s, 1);  // the expect_tx arrival (then the copies' bytes)
+      mbar_init(full0 + 8 * s, copies ? 1 + 96 : 1);  // the expect_tx arrival (then the copies' bytes), the copiers'
       mbar_init(empty0 + 8 * s, 8);   // one per compute warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
 
-  if (warp < 4) {  // ---- producer warpgroup: one warp issues every copy
+  if (warp < 4) {  // ---- producer warpgroup: warp 0 copies the weights, warps 1-3 the activations
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;" ::: "memory");
-    if (warp != 0) return;
     struct Cursor {  // chunk c of group g of column col, from the block's first unit on
       int col, g, c;
       __device__ void next(int kg) {
@@ -1305,25 +1310,87 @@ __global__ void __launch_bounds__(384, 1)
       }
     };
     const Cursor start{(int)(u_beg / kg), (int)(u_beg % kg), 0};
-    const char* xz = reinterpret_cast<const char*>(x) + (size_t)blockIdx.z * kg * 4 * T::kAct;
+    if (warp != 0) {
+      if constexpr (copies) {
+        // Each chunk's activations from x into the stage in the MMA's input order. A lane takes
+        // rows rb + 12 i of the chunk (three warps of four rows each: rb = 4 (warp - 1) + lane / 8) and
+        // inputs 8 t .. 8 t + 7 of them (t = lane % 8): 16-byte cp.async into its own piece of a raw
+        // slot (kRawSlots chunks in flight, no other thread reads it), then its four pairs (e = 0..3)
+        // to pair q = t / 2 of half e % 2 of k16 step 2 (t % 2) + e / 2 of the stage (conflict-free:
+        // steps lie 32 bytes apart modulo 128, rows 16). Rows past M are left as they are (they only
+        // meet outputs past M); inputs past K are zeros.
+        constexpr int kG = (BN / 4 + 2) / 3, R = T::kRawSlots;  // row groups per copier warp
+        const int t = lane & 7, rows = min(BN, M - m0);
+        const int rb = 4 * (warp - 1) + (lane >> 3);
+        const uint32_t off = 2 * (t & 1) * T::kStep + (t >> 1) * 4;
+        const uint32_t raw0 = stage0 + S * T::kStageBytes + rb * 128 + t * 16;
+        const uint16_t* xl = x + (size_t)(m0 + rb) * ldx + 8 * t;
+        auto fetch = [&](const Cursor& q, int slot) {
+          const int k = (q.g * 4 + q.c) * 64;
+          const bool ok = k + 8 * t < K;
+          const uint16_t* src = ok ? xl + k : x;
+          const uint32_t dst = raw0 + slot * BN * 128;
+#pragma unroll
+          for (int i = 0; i < kG; ++i, src += ok ? 12 * ldx : 0)
+            if (rb + 12 * i < rows)
+              asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst + i * 12 * 128), "l"(src),
+                           "r"(ok ? 16 : 0)
+                           : "memory");
+          asm volatile("cp.async.commit_group;" ::: "memory");
+        };
+        asm volatile("griddepcontrol.wait;" ::: "memory");  // the activations are the previous kernel's output
+        Cursor qf = start;
+        for (int i = 0; i < R; ++i, qf.next(kg)) {
+          if (i < total) fetch(qf, i);
+          else asm volatile("cp.async.commit_group;" ::: "memory");
+        }
+        for (int i = 0, s = 0, use = 0; i < total; ++i) {
+          asm volatile("cp.async.wait_group %0;" ::"n"(R - 1) : "memory");  // chunk i is in its slot
+          if (i >= S) mbar_wait(empty0 + 8 * s, (use - 1) & 1);
+          const uint32_t dst = stage0 + s * T::kStageBytes + off, src = raw0 + (i % R) * BN * 128;
+#pragma unroll
+          for (int g = 0; g < kG; ++g) {
+            const int r = rb + 12 * g;
+            if (r >= rows) continue;
+            uint4 v;
+            asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
+                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                         : "r"(src + g * 12 * 128));
+            const uint32_t d = dst + (r >> 3) * kCoreSbo + (r & 7) * 16;
+            asm volatile("st.shared.b32 [%0], %1;" ::"r"(d), "r"(v.x) : "memory");
+            asm volatile("st.shared.b32 [%0], %1;" ::"r"(d + kCoreLbo), "r"(v.y) : "memory");
+            asm volatile("st.shared.b32 [%0], %1;" ::"r"(d + T::kStep), "r"(v.z) : "memory");
+            asm volatile("st.shared.b32 [%0], %1;" ::"r"(d + T::kStep + kCoreLbo), "r"(v.w) : "memory");
+          }
+          mbar_arrive(full0 + 8 * s);  // (the compute warps order these stores before their wgmma reads)
+          if (i + R < total) fetch(qf, i % R);
+          else asm volatile("cp.async.commit_group;" ::: "memory");
+          qf.next(kg);
+          if (++s == S) s = 0, ++use;
+        }
+      }
+      return;
+    }
     // the chunk's weights (kTiles tiles x 512 bytes) and, at a group's first chunk, its scales
     // (kTiles x 256 bytes): one box of a tensor map each (rows = weight tiles; tiles past the layer
     // read as zeros and count in the bytes like the others)
     auto issue_w = [&](const Cursor& q, int s) {
       if (lane != 0) return;
       const uint32_t bar = full0 + 8 * s, dst = stage0 + s * T::kStageBytes + T::kAct;
-      mbar_expect_tx(bar, T::kAct + T::kW + (q.c == 0 ? kTiles * 256 : 0));
+      mbar_expect_tx(bar, (copies ? 0 : T::kAct) + T::kW + (q.c == 0 ? kTiles * 256 : 0));
       tma_copy_2d(dst, &wmap, q.g * 576 + q.c * 128, q.col * kTiles, bar);
       if (q.c == 0) tma_copy_2d(dst + T::kW, &smap, q.g * 576 + 512, q.col * kTiles, bar);
     };
-    auto issue_x = [&](const Cursor& q, int s) {  // the chunk's staged activations, one copy
-      if (lane == 0)
+    // otherwise: the chunk's activations staged by stage_x_kernel, one copy
+    const char* xz = reinterpret_cast<const char*>(x) + (size_t)blockIdx.z * kg * 4 * T::kAct;
+    auto issue_x = [&](const Cursor& q, int s) {
+      if (!copies && lane == 0)
         bulk_copy(stage0 + s * T::kStageBytes, xz + (size_t)(q.g * 4 + q.c) * T::kAct, T::kAct, full0 + 8 * s);
     };
     const int pre = min(S, total);
     Cursor qw = start, qx = start;
     for (int i = 0; i < pre; ++i, qw.next(kg)) issue_w(qw, i);
-    pdl_wait_then_release();  // the staged activations are the previous kernel's output
+    pdl_wait_then_release();  // the activations (staged or not) are the previous kernel's output
     for (int i = 0; i < pre; ++i, qx.next(kg)) issue_x(qx, i);
     for (int i = S, s = 0, use = 1; i < total; ++i, qw.next(kg)) {
       mbar_wait(empty0 + 8 * s, (use - 1) & 1);
@@ -1362,6 +1429,8 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         mbar_wait(full0 + 8 * s, use & 1);
+        // the copier warps' stores (generic proxy) before this warpgroup's wgmma reads (async proxy)
+        if constexpr (copies) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         const uint32_t st = stage0 + s * T::kStageBytes;
         if (active) {
           int4 wv[H];
@@ -1577,17 +1646,18 @@ Variant wg_variant() {
   return {reinterpret_cast<void*>(&gemm_wg_kernel<BN, WG>), WgTile<BN>::kSmem};
 }
 
-template <int BN, int H>
+template <int BN, int H, bool D = false>
 Variant ws_variant() {
-  return {reinterpret_cast<void*>(&gemm_ws_kernel<BN, H>), WsTile<BN, H>::kSmem};
+  return {reinterpret_cast<void*>(&gemm_ws_kernel<BN, H, D>), WsTile<BN, H, D>::kSmem};
 }
 
 // wg 1 or 2: gemm_wg_kernel; wg 3: gemm_ws_kernel (two compute warpgroups and a producer), wg 4:
 // the same with two weight tiles per compute warp (columns of 256 weight rows).
-Variant pick_wg(int bn, int wg) {
+Variant pick_wg(int bn, int wg, bool direct = false) {
   if (wg == 3) {
-    if (bn == 32) return ws_variant<32, 1>();
-    if (bn == 64) return ws_variant<64, 1>();
+    if (bn == 32) return direct ? ws_variant<32, 1, true>() : ws_variant<32, 1>();
+    if (bn == 64) return direct ? ws_variant<64, 1, true>() : ws_variant<64, 1>();
+    if (direct) return {nullptr, 0};
     if (bn == 128) return ws_variant<128, 1>();
     if (bn == 256) return ws_variant<256, 1>();
     return {nullptr, 0};
@@ -1706,22 +1776,24 @@ int qerl_nvfp4_gemm_small(int mt, int tnw, int wpt, const void* wq, const void* 
 // slots of bn x 64 wg floats (128 for wg = 3, 256 for wg = 4), and a single row tile. Rows past bn
 // go to further blocks along z.
 // From kPermutedRows rows per block xp (bf16, mtiles * bn rows of kg * 256) takes the permuted
-// activations, written by a kernel of its own launched first; with wg = 3 or 4 always, as stage images
-// (mtiles x 4 kg x qerl_nvfp4_ws_stage_bytes(bn) bytes).
+// activations, written by a kernel of its own launched first; with wg = 3 and 4 always as stage
+// images (mtiles x 4 kg x qerl_nvfp4_ws_stage_bytes(bn) bytes), unless `direct` (wg = 3 below
+// kPermutedRows rows per block): then the kernel's producer warps copy them from x themselves.
 int qerl_nvfp4_gemm_wg(int bn, int wg, const void* wq, const void* x, void* y, void* ws, void* xp,
                        void* counters, const void* alpha, int M, int N, int K, int ldx, int ldy,
-                       int ntiles, int kg, int blocks, int pf, void* stream) {
-  const Variant v = pick_wg(bn, wg);
+                       int ntiles, int kg, int blocks, int pf, void* stream, int direct) {
+  const Variant v = pick_wg(bn, wg, direct != 0);
   const int mtiles = (M + bn - 1) / bn;
   const bool ws_kernel = wg >= 3;  // gemm_ws_kernel
   const int per_col = wg == 4 ? 16 : 4 * (wg == 3 ? 2 : wg);  // weight tiles per column block
   int ncols = (ntiles + per_col - 1) / per_col;
   if (v.fn == nullptr || blocks < 1 || (long long)blocks > (long long)ncols * kg ||
-      (blocks != ncols && (mtiles > 1 || ws == nullptr)) || ((bn >= kPermutedRows || ws_kernel) && xp == nullptr))
+      (blocks != ncols && (mtiles > 1 || ws == nullptr)) || (direct && (wg != 3 || bn >= kPermutedRows)) ||
+      ((bn >= kPermutedRows || (ws_kernel && !direct)) && xp == nullptr))
     return (int)cudaErrorInvalidValue;
   cudaError_t err = allow_smem(v);
   if (err != cudaSuccess) return (int)err;
-  if (ws_kernel) {  // the activations as images of the ring's stages first
+  if (ws_kernel && !direct) {  // the activations as images of the ring's stages first
     int rows = mtiles * bn, chunks = kg * 4;
     const long long pieces = (long long)rows * chunks * 8;
     void* pargs[] = {const_cast<void**>(&x), &xp, &M, &K, &ldx, &rows, &chunks};
@@ -1732,7 +1804,7 @@ int qerl_nvfp4_gemm_wg(int bn, int wg, const void* wq, const void* x, void* y, v
     err = launch(fn, dim3((unsigned)((pieces + 255) / 256)), dim3(256), 0, stream, pargs);
     if (err != cudaSuccess) return (int)err;
     x = xp;
-  } else if (bn >= kPermutedRows) {  // the activations in the MMA's input order first
+  } else if (!ws_kernel && bn >= kPermutedRows) {  // the activations in the MMA's input order first
     int rows = mtiles * bn, kpad = kg * 256;
     const long long pieces = (long long)rows * kpad / 8;
     void* pargs[] = {const_cast<void**>(&x), &xp, &M, &K, &ldx, &rows, &kpad};

@@ -95,6 +95,15 @@ WG_WS = os.environ.get("QERL_NVFP4_WG_WS", "0") == "1"  # the warp-specialized k
 # (7B qkv at 256 rows 25.8 against 38.1 us).
 _WS_MIN_WEIGHTS = 30e6
 _WS_SHORT_UNITS = 1200
+# With WS_DIRECT_BN rows per block (wg = 3; below kPermutedRows with one weight tile per warp,
+# WsTile::kDirect in nvfp4_gemm.cu) the producer's idle warps can copy the
+# activations from x themselves instead of a kernel of its own writing the ring's images first
+# (`direct`): it saves that launch, but their copies keep up only with short runs. Taken where a
+# block's K groups times its rows are at most _WS_DIRECT_MAX (benchmarks/RESULTS.md, H200, us,
+# direct / staged: 7B q/k/v 14.9 / 16.7 at 64 rows, 7B o 13.4 / 15.8, 14B q/k/v 16.0 / 18.0 at 32
+# rows; with every block copying, 14B q/k/v 22.9 / 21.4 at 64 rows, 7B gate_up 66.8 / 46.5).
+_WS_DIRECT_MAX = 400
+WS_DIRECT_BN = (32, 64)
 SMALL_PATH_MAX = int(os.environ.get("QERL_NVFP4_SMALL_MAX", "16"))
 WG_M_MAX = int(os.environ.get("QERL_NVFP4_WG_MAX", "512"))
 WG_PREFETCH_GROUPS = int(os.environ.get("QERL_NVFP4_WG_PREFETCH", "2"))
@@ -314,6 +323,7 @@ class WgConfig(NamedTuple):
     wg: int
     blocks: int
     columns: int
+    direct: bool = False  # the warp-specialized kernel copies the activations itself (_WS_DIRECT_MAX)
 
     @property
     def shared(self) -> bool:
@@ -327,7 +337,7 @@ def _wg_columns(p: PreparedNVFP4, wg: int) -> int:
 
 
 def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = None, wg: int | None = None,
-              blocks: int | None = None) -> WgConfig:
+              blocks: int | None = None, direct: bool | None = None) -> WgConfig:
     """The wgmma kernel's launch shape for M rows (``WgConfig``).
 
     Unless wg is given: the warp-specialized kernel (wg = 3) above 32 rows, and at 17-32 rows on
@@ -341,7 +351,8 @@ def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = N
     the layer's columns x K groups are cut into WG_FILL waves of resident blocks (stream K): no
     partial last wave, whatever the number of columns; a layer with many waves of columns keeps
     whole columns, and from 128-row blocks so does one whose columns fill most of one wave
-    (_WG_WHOLE_FILL).
+    (_WG_WHOLE_FILL). Unless ``direct`` is given, blocks of wg = 3 with WS_DIRECT_BN rows copy the
+    activations themselves where their K groups times their rows are at most _WS_DIRECT_MAX.
     """
     if wg is None and bn is None and m > WG_BN[0] and (WG_WS or m > 32 or p.n * p.k >= _WS_MIN_WEIGHTS):
         wg = 4 if p.n >= _WS2_MIN_N and p.k >= _WS2_MIN_K and (m <= 32 or (m <= 64 and _ws2_fills(p, device))) else 3
@@ -368,13 +379,20 @@ def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = N
     if tiles > 1:
         if blocks not in (None, columns):
             raise ValueError(f"{m} rows take {tiles} row tiles of {bn}: every block a whole column")
-        return WgConfig(bn, wg, columns, columns)
-    if blocks is None:
+        blocks = columns
+    elif blocks is None:
         wave = _wg_occupancy(bn, wg) * sm_count(device)
         whole = columns >= _WG_WHOLE_WAVES * wave or ((bn >= _WG_TILE_ROWS or wg == 4) and
                                                        _WG_WHOLE_FILL * wave <= columns <= wave)
         blocks = columns if whole else round(WG_FILL * wave)
-    return WgConfig(bn, wg, max(1, min(units, blocks)), columns)
+    blocks = max(1, min(units, blocks))
+    can_copy = wg == 3 and bn in WS_DIRECT_BN
+    if direct is None:
+        direct = can_copy and -(-units // blocks) * bn <= _WS_DIRECT_MAX
+    elif direct and not can_copy:
+        raise ValueError(f"only the warp-specialized kernel (wg = 3) with {' or '.join(map(str, WS_DIRECT_BN))} rows "
+                         f"per block copies the activations itself, got {bn} rows with wg = {wg}")
+    return WgConfig(bn, wg, blocks, columns, direct)
 
 
 def _ws2_fills(p: PreparedNVFP4, device: torch.device) -> bool:
@@ -393,17 +411,19 @@ def wg_permuted_rows() -> int:
 
 
 @lru_cache(maxsize=None)
-def _ws_stage_bytes(bn: int) -> int:
-    return _build.library().qerl_nvfp4_ws_stage_bytes(bn)
+def _ws_stage_bytes(lib, bn: int) -> int:  # noqa: ANN001
+    return lib.qerl_nvfp4_ws_stage_bytes(bn)
 
 
 def wg_permuted(m: int, cfg: WgConfig, kg: int) -> int:
     """fp32 elements that the activations in the MMA's input order take in the wgmma kernel's
     workspace (bf16, rows to the last row tile's end, K to whole groups), 0 below
-    ``wg_permuted_rows`` rows per block; the warp-specialized kernel (wg = 3) always takes them,
-    as images of its ring's stages (row tiles x chunks of 64 inputs)."""
+    ``wg_permuted_rows`` rows per block; the warp-specialized kernel (wg >= 3) takes them as images
+    of its ring's stages (row tiles x chunks of 64 inputs) unless it copies them itself (direct)."""
+    if cfg.direct:
+        return 0
     if cfg.wg >= 3:
-        return -(-m // cfg.bn) * kg * 4 * _ws_stage_bytes(cfg.bn) // 4
+        return -(-m // cfg.bn) * kg * 4 * _ws_stage_bytes(_build.library(), cfg.bn) // 4
     return -(-m // cfg.bn) * cfg.bn * kg * 128 if cfg.bn >= wg_permuted_rows() else 0
 
 
@@ -542,14 +562,14 @@ def gemm_small_into(x2: torch.Tensor, p: PreparedNVFP4, out: torch.Tensor, *, tn
 
 def gemm_wg_into(x2: torch.Tensor, p: PreparedNVFP4, out: torch.Tensor, *, bn: int | None = None,
                  wg: int | None = None, blocks: int | None = None, workspace: torch.Tensor | None = None,
-                 prefetch: int | None = None) -> torch.Tensor:
+                 prefetch: int | None = None, direct: bool | None = None) -> torch.Tensor:
     """wgmma kernel into ``out`` [M, N] (bf16, row stride N) for x2 [M, K] bf16, any M >= 1."""
     m = x2.shape[0]
     if m < 1:
         raise ValueError("the wgmma kernel needs at least one row")
     if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
         x2 = x2.contiguous()
-    cfg = wg_config(m, p, x2.device, bn, wg, blocks)
+    cfg = wg_config(m, p, x2.device, bn, wg, blocks, direct)
     _check_counters(p, cfg.shared, cfg.columns)
     ws = _workspace(wg_workspace(m, cfg, p.kg), x2, workspace)
     xp = wg_permuted(m, cfg, p.kg)
@@ -558,7 +578,7 @@ def gemm_wg_into(x2: torch.Tensor, p: PreparedNVFP4, out: torch.Tensor, *, bn: i
         cfg.bn, cfg.wg, p.wq.data_ptr(), x2.data_ptr(), out.data_ptr(), _ptr(ws[xp:]) if cfg.shared else None,
         _ptr(ws) if xp else None, p.counters.data_ptr(),
         p.alpha.data_ptr(), m, p.n, p.k, x2.stride(0), out.stride(0), p.ntiles, p.kg, cfg.blocks,
-        WG_PREFETCH_GROUPS if prefetch is None else prefetch, _stream(x2.device),
+        WG_PREFETCH_GROUPS if prefetch is None else prefetch, _stream(x2.device), int(cfg.direct),
     )
     _build.check(lib, err, "NVFP4 wgmma GEMM launch")
     return out
