@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.decode_ab import applied, kernels_variant  # noqa: E402
+from benchmarks.decode_ab import applied, kernels_variant, parse_variant  # noqa: E402
 from engine.kernels import nvfp4_gemm as gemm  # noqa: E402
 
 SHAPES = {
@@ -342,8 +342,11 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="n,k,m[,tnw,splits]: launch one configuration a few times")
     ap.add_argument("--kernels", action="append", default=[],
                     help="name=path: the table also times the NVFP4 kernels built from this nvfp4_gemm.cu (repeat)")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="name:module.attr=value,...: the table also times ours with these attributes set (repeat)")
     args = ap.parse_args()
     kernels = [kernels_variant(k) for k in args.kernels]  # built (or refused) before any timing
+    kernels += [parse_variant(v) for v in args.variant]
     models = args.models.split(",")
     ms = [int(v) for v in args.ms.split(",")]
     torch.backends.cuda.matmul.allow_tf32 = False
