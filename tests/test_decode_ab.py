@@ -68,3 +68,9 @@ def test_gemm_benchmark_refuses_bad_kernels_before_timing(monkeypatch):
         monkeypatch.setattr(sys, "argv", ["gemm_nvfp4.py", "--kernels", text])
         with pytest.raises(ValueError, match=message):
             gemm_nvfp4.main()
+    # --variant takes decode_ab's name:module.attr=value form, checked the same way
+    for text, message in ((":engine.kernels.nvfp4_gemm._WS_DIRECT_MAX=0", "give it a name"),
+                          ("staged:engine.kernels.nvfp4_gemm._WS_DIRECT_MAX=zero", "not a Python literal")):
+        monkeypatch.setattr(sys, "argv", ["gemm_nvfp4.py", "--variant", text])
+        with pytest.raises(ValueError, match=message):
+            gemm_nvfp4.main()
