@@ -95,10 +95,10 @@ WG_WS = os.environ.get("QERL_NVFP4_WG_WS", "0") == "1"  # the warp-specialized k
 # (7B qkv at 256 rows 25.8 against 38.1 us).
 _WS_MIN_WEIGHTS = 30e6
 _WS_SHORT_UNITS = 1200
-# With WS_DIRECT_BN rows per block (wg = 3; below kPermutedRows with one weight tile per warp,
-# WsTile::kDirect in nvfp4_gemm.cu) the producer's idle warps can copy the
-# activations from x themselves instead of a kernel of its own writing the ring's images first
-# (`direct`): it saves that launch, but their copies keep up only with short runs. Taken where a
+# With WS_DIRECT_BN rows per block (wg = 3: below kPermutedRows, one weight tile per warp; the
+# kernel's template flag D in nvfp4_gemm.cu) the producer's idle warps can copy the activations
+# from x themselves instead of a kernel of its own writing the ring's images first (`direct`): it
+# saves that launch, but their copies keep up only with short runs. Taken where a
 # block's K groups times its rows are at most _WS_DIRECT_MAX (benchmarks/RESULTS.md, H200, us,
 # direct / staged: 7B q/k/v 14.9 / 16.7 at 64 rows, 7B o 13.4 / 15.8, 14B q/k/v 16.0 / 18.0 at 32
 # rows; with every block copying, 14B q/k/v 22.9 / 21.4 at 64 rows, 7B gate_up 66.8 / 46.5).
@@ -411,8 +411,8 @@ def wg_permuted_rows() -> int:
 
 
 @lru_cache(maxsize=None)
-def _ws_stage_bytes(lib, bn: int) -> int:  # noqa: ANN001
-    return lib.qerl_nvfp4_ws_stage_bytes(bn)
+def _ws_stage_bytes(bn: int) -> int:
+    return _build.library().qerl_nvfp4_ws_stage_bytes(bn)
 
 
 def wg_permuted(m: int, cfg: WgConfig, kg: int) -> int:
@@ -423,7 +423,7 @@ def wg_permuted(m: int, cfg: WgConfig, kg: int) -> int:
     if cfg.direct:
         return 0
     if cfg.wg >= 3:
-        return -(-m // cfg.bn) * kg * 4 * _ws_stage_bytes(_build.library(), cfg.bn) // 4
+        return -(-m // cfg.bn) * kg * 4 * _ws_stage_bytes(cfg.bn) // 4
     return -(-m // cfg.bn) * cfg.bn * kg * 128 if cfg.bn >= wg_permuted_rows() else 0
 
 
