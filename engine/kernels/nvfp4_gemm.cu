@@ -321,10 +321,13 @@ __device__ __forceinline__ void half_mma(float (&acc)[TNW][MT][4], const int4 (&
 // warp's 16-byte reads (rows g, offsets 32t) free of bank conflicts.
 constexpr int kXRowBytes = 144;
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+// 16 bytes from global memory to the shared address dst through L2 alone (zeros where !valid).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* gmem, bool valid) {
   const int src_bytes = valid ? 16 : 0;  // 0: fill with zeros
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  cp_async16(static_cast<uint32_t>(__cvta_generic_to_shared(smem)), gmem, valid);
 }
 
 template <int MT, int TNW>
@@ -1332,10 +1335,7 @@ __global__ void __launch_bounds__(384, 1)
           const uint32_t dst = raw0 + slot * BN * 128;
 #pragma unroll
           for (int i = 0; i < kG; ++i, src += ok ? 12 * ldx : 0)
-            if (rb + 12 * i < rows)
-              asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst + i * 12 * 128), "l"(src),
-                           "r"(ok ? 16 : 0)
-                           : "memory");
+            if (rb + 12 * i < rows) cp_async16(dst + i * 12 * 128, src, ok);
           asm volatile("cp.async.commit_group;" ::: "memory");
         };
         asm volatile("griddepcontrol.wait;" ::: "memory");  // the activations are the previous kernel's output
