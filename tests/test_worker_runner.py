@@ -6,6 +6,7 @@ import hashlib
 import tarfile
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -147,8 +148,9 @@ def test_a_reaped_run_writes_nothing_more(ctx, sessions):
     t, out = _run_in_thread(ctx, job.id)
     _wait_step(sessions, job.id, 1)
     with sessions() as s:  # as if this worker had stalled past its lease: reaped, then re-claimed
-        s.execute(update(Job).where(Job.id == job.id).values(lease_expires_at=utcnow()))
-        s.commit()
+        # expired and reaped in one transaction: the row lock keeps the running worker's heartbeat from
+        # renewing the lease in between (a stalled worker would not have renewed it)
+        s.execute(update(Job).where(Job.id == job.id).values(lease_expires_at=utcnow() - timedelta(seconds=1)))
         assert queue.reap(s) == [job.id]
         assert queue.claim(s, job.id, "other-worker", lease_seconds=600).attempt == 2
         reaped_at = max(e.id for e in events(s, job.id))
