@@ -222,6 +222,30 @@ def test_stream_k_is_deterministic_and_exact(m):
         assert torch.equal(gemm.gemm_wg_into(x, p, torch.empty_like(first)), first)
 
 
+@pytest.mark.parametrize("bn,wg", [(bn, 3) for bn in gemm.WS_BN] + [(bn, 4) for bn in gemm.WS2_BN])
+def test_stream_k_run_orders(bn, wg):
+    """The warp-specialized kernel on runs of about a third of a column, 2.2 and 3.4 columns a block
+    (the run orders and the producer's helpers of WsRun in nvfp4_gemm.cu: a run's last column's head
+    first, shared sums added beside the compute warps): within bf16 rounding of the exact product
+    with poisoned outputs and workspace, the same bits call after call, tickets back at zero."""
+    p, wref, gscale = make_layer(4608, 1024, seed=16)
+    for m in sorted({17, bn // 2 + 1, bn}):
+        x = torch.randn(m, p.k, device="cuda").bfloat16()
+        ref = reference(x, wref, gscale)
+        columns = gemm.wg_config(m, p, x.device, bn, wg).columns
+        for blocks in (round(columns / 0.35), round(columns / 2.2), round(columns / 3.4)):
+            cfg = gemm.wg_config(m, p, x.device, bn, wg, blocks)
+            assert cfg.shared
+            ws = torch.full((gemm.wg_workspace(m, cfg, p.kg),), float("nan"), device="cuda")
+
+            def launch(out, _ws):
+                return gemm.gemm_wg_into(x, p, out, bn=bn, wg=wg, blocks=blocks, workspace=ws)
+
+            first = checked_launch(p, x, ref, f"M={m} {cfg}", launch)
+            for _ in range(2):
+                assert torch.equal(launch(poisoned(m, p)[0], None), first)
+
+
 def test_narrow_layer_past_a_wave_takes_two_tiles_per_warp():
     """Above 8 rows a narrow layer gets one block per weight tile, or two tiles per warp where
     one block each would leave a partial wave of resident blocks; both exact."""

@@ -885,8 +885,106 @@ __device__ __forceinline__ int ticket_acq_rel(int* p) {
   return old;
 }
 
+// Blocks of up to this many rows store stream-K partial sums as each thread's accumulators lie in its
+// registers (a slot of BN rows; _WG_REGISTER_SUMS_BN in nvfp4_gemm.py), larger ones in the outputs' order.
+constexpr int kRegisterSumsRows = 64;
+
+// A shared segment's partial sums into slot (b + column) of the workspace. Blocks of up to kRegisterSumsRows rows:
+// every thread's accumulators as they lie in its registers (float4 q of thread tid at q * kThreads +
+// tid of the slot: coalesced 16-byte stores); more rows: in the outputs' order (M x kWidth floats).
+template <int BN, int kWidth, int kThreads, int H>
+__device__ __forceinline__ void sk_store_partial(const float (&acc)[H][BN / 2], const WgSegment& seg, int wl,
+                                                 int tid, int lane, int b, int M, float* ws) {
+  const int g = lane >> 2, t = lane & 3, col = seg.col;
+  if constexpr (BN <= kRegisterSumsRows) {
+    constexpr size_t kSlot4 = (size_t)(H * BN / 8) * kThreads;
+    float4* part = reinterpret_cast<float4*>(ws) + (size_t)(b + col) * kSlot4 + tid;
+#pragma unroll
+    for (int h = 0; h < H; ++h)
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i)
+        __stcg(part + (h * (BN / 8) + i) * kThreads,
+               make_float4(acc[h][4 * i], acc[h][4 * i + 1], acc[h][4 * i + 2], acc[h][4 * i + 3]));
+  } else {
+    const size_t slot = (size_t)M * kWidth;
+#pragma unroll
+    for (int h = 0; h < H; ++h) {
+      if (!seg.active_half(h)) continue;
+      float* part = ws + (size_t)(b + col) * slot + (wl + 8 * h) * 16 + g;
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int tk = 8 * i + 2 * t + (e & 1);
+          if (tk < M) part[(size_t)tk * kWidth + 8 * (e >> 1)] = acc[h][4 * i + e];
+        }
+    }
+  }
+}
+
+// Threads hid = 0 .. nh - 1 add the nseg partial sums of a shared column (slots b0 + col on, in
+// segment order, as sk_store_partial<BN, kWidth, kThreads, H> wrote them) and write its outputs,
+// float4 of R positions in JB slots in flight at a time.
+template <int BN, int kWidth, int kThreads, int H, int R, int JB>
+__device__ __forceinline__ void sk_add_slots(int hid, int nh, int col, int b0, int nseg, int M, int N, int m0,
+                                             int ldy, float alpha, uint16_t* y, const float* ws) {
+  constexpr bool kRegs = BN <= kRegisterSumsRows;
+  const int n4 = kRegs ? (H * BN / 8) * kThreads : M * kWidth / 4;  // float4 of a slot
+  const float4* s0 = reinterpret_cast<const float4*>(ws) + (size_t)(b0 + col) * n4;
+  for (int i0 = hid; i0 < n4; i0 += R * nh) {
+    float4 v[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) v[r] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int j0 = 0; j0 < nseg; j0 += JB) {
+      float4 w[JB][R];
+#pragma unroll
+      for (int jj = 0; jj < JB; ++jj)
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const int i = i0 + r * nh;
+          w[jj][r] = j0 + jj < nseg && i < n4 ? __ldcg(s0 + (size_t)(j0 + jj) * n4 + i)
+                                              : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+      for (int jj = 0; jj < JB; ++jj)
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          if (j0 + jj >= nseg) continue;
+          if (kRegs && j0 + jj == 0) {  // as wg_segment_out_h adds them (the outputs' order: from 0)
+            v[r] = w[jj][r];
+          } else {
+            v[r].x += w[jj][r].x, v[r].y += w[jj][r].y, v[r].z += w[jj][r].z, v[r].w += w[jj][r].w;
+          }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int i = i0 + r * nh;
+      if (i >= n4) continue;
+      const float e4[4] = {v[r].x, v[r].y, v[r].z, v[r].w};
+      if constexpr (kRegs) {
+        // float4 q of compute thread tid: acc[h][4 i + e] of warp wl, lane (g, t)
+        const int q = i / kThreads, tid = i % kThreads, wl = tid >> 5, g = (tid & 31) >> 2, t = tid & 3;
+        const int h = q / (BN / 8), ii = q % (BN / 8), nn0 = (col * (kWidth / 16) + wl + 8 * h) * 16 + g;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int tk = m0 + 8 * ii + 2 * t + (e & 1), nn = nn0 + 8 * (e >> 1);
+          if (tk < M && nn < N) y[(size_t)tk * ldy + nn] = to_bf16(e4[e] * alpha);
+        }
+      } else {
+        const int tk = 4 * i / kWidth, nn = col * kWidth + 4 * i % kWidth;
+        uint16_t* yr = y + (size_t)tk * ldy + nn;
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (nn + e < N) yr[e] = to_bf16(e4[e] * alpha);
+      }
+    }
+  }
+}
+
 // H: weight tiles per warp, acc[h] that of tile wl + 8 h of the column (H = 2: columns of 16 tiles).
-template <int BN, int kWidth, int kThreads, bool kNamedBarrier, int H>
+// kLoads: float4 loads in flight per thread when the column's last block adds register-order slots.
+template <int BN, int kWidth, int kThreads, bool kNamedBarrier, int H, int kLoads = 4>
 __device__ __forceinline__ void wg_segment_out_h(float (&acc)[H][BN / 2], const WgSegment& seg, int wl,
                                                  int tid, int lane, int b, int blocks, long long units, int kg, int M,
                                                  int N, int m0, int ldy, float alpha, uint16_t* y, float* ws,
@@ -917,110 +1015,58 @@ __device__ __forceinline__ void wg_segment_out_h(float (&acc)[H][BN / 2], const 
   const long long c0 = (long long)col * kg;  // the column's segments: blocks b0 .. b0 + nseg - 1
   const int b0 = sk_owner(c0, units, blocks);
   const int nseg = sk_owner(c0 + kg - 1, units, blocks) - b0 + 1;
-  if constexpr (BN <= 32) {
-    // A shared column (one row tile, m0 = 0) of up to 32 rows per block: every thread stores its
-    // accumulators as they lie in its registers (float4 q of thread tid at q * kThreads + tid of the
-    // block's slot: coalesced 16-byte stores), and the column's last block adds the segments' slots
-    // in segment order, each thread its own positions into its accumulators, then writes the outputs
-    // as a whole column would (6-9% less time than the path below at 32 rows on 7B q/k/v, o and
-    // down; slower from 64-row blocks).
+  if constexpr (BN <= kRegisterSumsRows) {
+    // A shared column (one row tile, m0 = 0) of up to kRegisterSumsRows rows per block: every thread
+    // stores its accumulators as they lie in its registers (float4 q of thread tid at q * kThreads + tid
+    // of the block's slot: coalesced 16-byte stores), and the column's last block adds the segments'
+    // slots in segment order, each thread its own positions into its accumulators (kLoads float4 in
+    // flight: several slots a round), then writes the outputs as a whole column would.
     constexpr int Q = H * BN / 8;                     // float4 of a thread
     constexpr size_t kSlot4 = (size_t)Q * kThreads;  // float4 of a slot (BN x kWidth floats)
-    float4* part = reinterpret_cast<float4*>(ws) + (size_t)(b + col) * kSlot4 + tid;
-#pragma unroll
-    for (int h = 0; h < H; ++h)
-#pragma unroll
-      for (int i = 0; i < BN / 8; ++i)
-        __stcg(part + (h * (BN / 8) + i) * kThreads,
-               make_float4(acc[h][4 * i], acc[h][4 * i + 1], acc[h][4 * i + 2], acc[h][4 * i + 3]));
+    sk_store_partial<BN, kWidth, kThreads, H>(acc, seg, wl, tid, lane, b, M, ws);
     sync();  // the block's stores come before thread 0's release
     if (tid == 0) is_last = ticket_acq_rel(&counters[col]) == nseg - 1;
     sync();  // and the other segments' stores before the last block's loads (thread 0's acquire)
-    if (is_last) {  // acc (already stored) becomes the sum, 4 float4 of each slot in flight at a time
+    if (is_last) {  // acc (already stored) becomes the sum: QC float4 of JB slots in flight at a time
       const float4* s0 = reinterpret_cast<const float4*>(ws) + (size_t)(b0 + col) * kSlot4 + tid;
-      constexpr int QC = Q < 4 ? Q : 4;
+      constexpr int QC = Q < kLoads ? Q : kLoads, JB = kLoads / QC;
 #pragma unroll
       for (int q0 = 0; q0 < Q; q0 += QC)
-        for (int j = 0; j < nseg; ++j) {
-          float4 w[QC];
+        for (int j0 = 0; j0 < nseg; j0 += JB) {
+          float4 w[JB][QC];
 #pragma unroll
-          for (int q = 0; q < QC; ++q) w[q] = __ldcg(s0 + j * kSlot4 + (q0 + q) * kThreads);
+          for (int jj = 0; jj < JB; ++jj)
 #pragma unroll
-          for (int q = 0; q < QC; ++q) {
-            float* vq = &acc[(q0 + q) / (BN / 8)][4 * ((q0 + q) % (BN / 8))];
-            if (j == 0) {
-              vq[0] = w[q].x, vq[1] = w[q].y, vq[2] = w[q].z, vq[3] = w[q].w;
-            } else {
-              vq[0] += w[q].x, vq[1] += w[q].y, vq[2] += w[q].z, vq[3] += w[q].w;
+            for (int q = 0; q < QC; ++q)
+              if (j0 + jj < nseg) w[jj][q] = __ldcg(s0 + (j0 + jj) * kSlot4 + (q0 + q) * kThreads);
+#pragma unroll
+          for (int jj = 0; jj < JB; ++jj)
+#pragma unroll
+            for (int q = 0; q < QC; ++q) {
+              if (j0 + jj >= nseg) continue;
+              float* vq = &acc[(q0 + q) / (BN / 8)][4 * ((q0 + q) % (BN / 8))];
+              if (j0 + jj == 0) {
+                vq[0] = w[jj][q].x, vq[1] = w[jj][q].y, vq[2] = w[jj][q].z, vq[3] = w[jj][q].w;
+              } else {
+                vq[0] += w[jj][q].x, vq[1] += w[jj][q].y, vq[2] += w[jj][q].z, vq[3] += w[jj][q].w;
+              }
             }
-          }
         }
       write_y(acc);
       if (tid == 0) counters[col] = 0;
     }
   } else {
-    // A shared column (one row tile, m0 = 0) of more than 32 rows per block: partial sums in the
+    // A shared column (one row tile, m0 = 0) of more rows per block: partial sums in the
     // outputs' order (M x kWidth floats a slot), then the column's last block adds them in segment
     // order and writes them, four consecutive outputs a thread.
-    const size_t slot = (size_t)M * kWidth;
-#pragma unroll
-    for (int h = 0; h < H; ++h) {
-      if (!seg.active_half(h)) continue;
-      float* part = ws + (size_t)(b + col) * slot + (wl + 8 * h) * 16 + g;
-#pragma unroll
-      for (int i = 0; i < BN / 8; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int tk = 8 * i + 2 * t + (e & 1);
-          if (tk < M) part[(size_t)tk * kWidth + 8 * (e >> 1)] = acc[h][4 * i + e];
-        }
-    }
+    sk_store_partial<BN, kWidth, kThreads, H>(acc, seg, wl, tid, lane, b, M, ws);
     __threadfence();
     sync();
     if (tid == 0) is_last = atomicAdd(&counters[col], 1) == nseg - 1;
     sync();
     if (is_last) {
       __threadfence();
-      constexpr int R = 4, P = 2;
-      const float4* s0 = reinterpret_cast<const float4*>(ws + (size_t)(b0 + col) * slot);
-      const size_t slot4 = slot / 4;
-      const int n4 = M * kWidth / 4, nb = col * kWidth;
-      for (int i0 = tid; i0 < n4; i0 += R * kThreads) {
-        float4 v[R];
-#pragma unroll
-        for (int r = 0; r < R; ++r) v[r] = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int j0 = 0; j0 < nseg; j0 += P) {
-          float4 w[P][R];
-#pragma unroll
-          for (int q = 0; q < P; ++q)
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-              const int i = i0 + r * kThreads;
-              w[q][r] = j0 + q < nseg && i < n4 ? __ldcg(s0 + (j0 + q) * slot4 + i) : make_float4(0.f, 0.f, 0.f, 0.f);
-            }
-#pragma unroll
-          for (int q = 0; q < P; ++q)
-            if (j0 + q < nseg)
-#pragma unroll
-              for (int r = 0; r < R; ++r) {
-                v[r].x += w[q][r].x;
-                v[r].y += w[q][r].y;
-                v[r].z += w[q][r].z;
-                v[r].w += w[q][r].w;
-              }
-        }
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const int i = i0 + r * kThreads;
-          if (i >= n4) continue;
-          const int tk = 4 * i / kWidth, nn = nb + 4 * i % kWidth;
-          uint16_t* yr = y + (size_t)tk * ldy + nn;
-          const float e4[4] = {v[r].x, v[r].y, v[r].z, v[r].w};
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (nn + e < N) yr[e] = to_bf16(e4[e] * alpha);
-        }
-      }
+      sk_add_slots<BN, kWidth, kThreads, H, 4, 2>(tid, kThreads, col, b0, nseg, M, N, m0, ldy, alpha, y, ws);
       if (tid == 0) counters[col] = 0;
     }
   }
@@ -1271,6 +1317,37 @@ __device__ __forceinline__ void tma_copy_2d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
+// The warp-specialized kernel's run order and who adds its shared segments' partial sums. The
+// producer's idle warps 1-3 (the helpers; staged kernels only) take a shared segment's ticket and, in
+// the column's last block, add its slots (sk_add_slots) while the compute warps go on. Their sums are
+// slow (96 threads of 56 registers, a few loads in flight), so they take only the run's first segment
+// (whose column's other blocks mostly finish later: a ticket, seldom a sum) and segments followed by
+// at least `thr` units of the run (a column at up to 32 rows a block, two above); a run's last segment
+// stays with the compute warps. A block whose run ends inside a column that it did not start in takes
+// that column's head first, then the rest in order (the tail of its first column, then whole columns),
+// where its whole columns are at least thr units (the tail's sum then hides behind them) or it has
+// none (a run of two part columns); otherwise its run goes in order. Segment order, and so the
+// results, are those of a run in order (measured: 7B gate_up at 64-256 rows, runs of 2.2 columns,
+// lost 10-19% with both reordered and helped, and 4% reordered with the compute warps' sums).
+struct WsRun {
+  long long beg, mid, end;  // [mid, end) first, then [beg, mid)
+  long long first, thr;     // the run's first unit; units of compute that hide a helpers' sum
+  __device__ WsRun(long long beg, long long end, int kg, long long thr) : beg(beg), end(end), thr(thr) {
+    const long long c = end / kg * kg, whole0 = (beg + kg - 1) / kg * kg;
+    mid = end != c && c > beg && (c - whole0 >= thr || c <= whole0) ? c : end;
+    first = mid < end ? mid : beg;
+  }
+  __device__ long long piece_beg(int p) const { return p == 0 ? mid : beg; }
+  __device__ long long piece_end(int p) const { return p == 0 ? end : mid; }
+  // units of the run after the segment of piece p that ends at unit `next`
+  __device__ long long left(int p, long long next) const { return p == 0 ? end - next + mid - beg : mid - next; }
+  // the helpers add the shared segment [start, next) of piece p
+  __device__ bool helped(int p, long long start, long long next) const {
+    const long long l = left(p, next);
+    return l > 0 && (start == first || l >= thr);
+  }
+};
+
 template <int BN, int H, bool D>
 __global__ void __launch_bounds__(384, 1)
     gemm_ws_kernel(const int4* __restrict__ wq, const uint16_t* __restrict__ x, uint16_t* __restrict__ y,
@@ -1280,40 +1357,72 @@ __global__ void __launch_bounds__(384, 1)
   using T = WsTile<BN, H, D>;
   constexpr int S = T::kStages;
   constexpr bool copies = D;  // warps 1-3 copy the activations from x
+  constexpr bool helpers = !D;  // or else add the shared segments' partial sums (sk_add_slots)
   constexpr int kTiles = T::kTiles, kWidth = kTiles * 16;
   extern __shared__ __align__(128) char ws_smem[];
-  __shared__ int is_last;
+  __shared__ int is_last, help_last;
   // the warp index as a value the compiler knows to be warp-uniform (no divergent wgmma path)
   const int warp = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 5, 0), lane = threadIdx.x & 31;
   const int m0 = blockIdx.z * BN;
   const int blocks = gridDim.x, b = blockIdx.x;
   const long long units = (long long)ncols * kg;
   const long long u_beg = b * units / blocks, u_end = (b + 1) * units / blocks;
+  const WsRun run(u_beg, u_end, kg, (long long)kg * (BN <= 32 ? 1 : 2));
   const int total = (int)(u_end - u_beg) * 4;  // chunks of this block
   const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(ws_smem));
   const uint32_t full0 = sbase, empty0 = sbase + 8 * S, stage0 = sbase + T::kHead;
+  const uint32_t part0 = sbase + 16 * S;  // a block's (at most two) shared segments' partial sums are stored
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
       mbar_init(full0 + 8 * s, copies ? 1 + 96 : 1);  // the expect_tx arrival (then the copies' bytes), the copiers'
       mbar_init(empty0 + 8 * s, 8);   // one per compute warp
     }
+    for (int p = 0; p < 2; ++p) mbar_init(part0 + 8 * p, 256);  // every compute thread
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
 
   if (warp < 4) {  // ---- producer warpgroup: warp 0 copies the weights, warps 1-3 the activations
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;" ::: "memory");
-    struct Cursor {  // chunk c of group g of column col, from the block's first unit on
-      int col, g, c;
+    struct Cursor {  // chunk c of group g of column col, in the run's order (WsRun)
+      int col, g, c, left, col1, g1;  // after `left` units the run goes on at group g1 of column col1
       __device__ void next(int kg) {
         if (++c == 4) {
           c = 0;
-          if (++g == kg) g = 0, ++col;
+          if (--left == 0) col = col1, g = g1;
+          else if (++g == kg) g = 0, ++col;
         }
       }
     };
-    const Cursor start{(int)(u_beg / kg), (int)(u_beg % kg), 0};
+    const Cursor start = run.mid < u_end ? Cursor{(int)(run.mid / kg), 0, 0, (int)(u_end - run.mid),
+                                                  (int)(u_beg / kg), (int)(u_beg % kg)}
+                                         : Cursor{(int)(u_beg / kg), (int)(u_beg % kg), 0, -1, 0, 0};
     if (warp != 0) {
+      if constexpr (helpers) {
+        // The shared segments' sums: once the compute warps have stored a segment's partial sums,
+        // take the column's ticket; the column's last block adds its segments' sums and writes them.
+        const int hid = threadIdx.x - 32;
+        int p = 0;
+        for (int piece = 0; piece < 2; ++piece)
+          for (long long u = run.piece_beg(piece), pe = run.piece_end(piece); u < pe;) {
+            const WgSegment seg(u, pe, kg, kTiles, 0, ntiles);
+            const long long start = u;
+            u += seg.g1 - seg.g0;
+            if (seg.whole || !run.helped(piece, start, u)) continue;  // the compute warps' own
+            mbar_wait(part0 + 8 * p, 0);  // (acquire: the compute threads' stores, released by their arrivals)
+            ++p;
+            const long long c0 = (long long)seg.col * kg;
+            const int b0 = sk_owner(c0, units, blocks), nseg = sk_owner(c0 + kg - 1, units, blocks) - b0 + 1;
+            if (hid == 0) help_last = ticket_acq_rel(&counters[seg.col]) == nseg - 1;
+            asm volatile("bar.sync 2, 96;" ::: "memory");
+            if (help_last) {
+              sk_add_slots<BN, kWidth, 256, H, 2, 2>(hid, 96, seg.col, b0, nseg, M, N, m0, ldy, __ldg(alpha_p), y,
+                                                     ws);
+              if (hid == 0) counters[seg.col] = 0;
+            }
+            asm volatile("bar.sync 2, 96;" ::: "memory");  // help_last is read before the next ticket
+          }
+      }
       if constexpr (copies) {
         // Each chunk's activations from x into the stage in the MMA's input order. A lane takes
         // rows rb + 12 i of the chunk (three warps of four rows each: rb = 4 (warp - 1) + lane / 8) and
@@ -1408,8 +1517,10 @@ __global__ void __launch_bounds__(384, 1)
   const uint64_t desc0 = ((stage0 >> 4) & 0x3FFF) | ((uint64_t)(kCoreLbo >> 4) << 16) |
                          ((uint64_t)(kCoreSbo >> 4) << 32);
   int s = 0, use = 0, sp = 0;  // stage of the current chunk, its use, the previous chunk's stage
-  for (long long u = u_beg; u < u_end;) {
-    const WgSegment seg(u, u_end, kg, kTiles, cw, ntiles);
+  int p = 0;                   // shared segments so far
+  for (int piece = 0; piece < 2; ++piece)
+  for (long long u = run.piece_beg(piece), pe = run.piece_end(piece); u < pe;) {
+    const WgSegment seg(u, pe, kg, kTiles, cw, ntiles);
     const int g0 = seg.g0, g1 = seg.g1;
     const bool active = seg.active;
 
@@ -1488,8 +1599,15 @@ __global__ void __launch_bounds__(384, 1)
     for (int h = 0; h < H; ++h) fence_acc(acc[h]);
     if (lane == 0) mbar_arrive(empty0 + 8 * sp);
 
-    wg_segment_out_h<BN, kWidth, 256, true, H>(acc, seg, cw, ct, lane, b, blocks, units, kg, M, N, m0,
-                                               ldy, alpha, y, ws, counters, is_last);
+    if (helpers && !seg.whole && run.helped(piece, u, u + (g1 - g0))) {  // the helpers add them
+      sk_store_partial<BN, kWidth, 256, H>(acc, seg, cw, ct, lane, b, M, ws);
+      mbar_arrive(part0 + 8 * p++);
+    } else {
+      // 16 loads in flight where the block copies its activations (7B q/k/v and o at 64 rows: 5-7% less
+      // time than 4); 4 in the staged kernels, whose whole-column launches ran 3-5% slower built with 16
+      wg_segment_out_h<BN, kWidth, 256, true, H, H == 1 && D ? 16 : 4>(acc, seg, cw, ct, lane, b, blocks, units, kg, M, N,
+                                                         m0, ldy, alpha, y, ws, counters, is_last);
+    }
     u += g1 - g0;
   }
 }

@@ -83,8 +83,8 @@ _WG_VARIANTS = ({(bn, 1) for bn in WG_BN if bn <= 128} | {(bn, 2) for bn in WG_B
                 | {(bn, 4) for bn in WS2_BN})
 _WG_TILES = {1: 4, 2: 8, 3: 8, 4: 16}  # weight tiles of a column block
 # Up to this many rows per block the wgmma kernels store stream-K partial sums as each thread's
-# accumulators lie (a slot of bn rows; wg_segment_out_h's BN <= 32 in nvfp4_gemm.cu), above it M rows.
-_WG_REGISTER_SUMS_BN = 32
+# accumulators lie (a slot of bn rows; kRegisterSumsRows in nvfp4_gemm.cu), above it M rows.
+_WG_REGISTER_SUMS_BN = 64
 WG_WS = os.environ.get("QERL_NVFP4_WG_WS", "0") == "1"  # the warp-specialized kernel at every M > 16
 # Where it is the default (benchmarks/gemm_nvfp4.py --sweep-wg on H200, benchmarks/RESULTS.md):
 # above 32 rows on every layer the wgmma path takes, and at 17-32 rows from _WS_MIN_WEIGHTS
@@ -430,7 +430,8 @@ def wg_permuted(m: int, cfg: WgConfig, kg: int) -> int:
 def wg_workspace(m: int, cfg: WgConfig, kg: int) -> int:
     """fp32 elements of the wgmma kernel's workspace: the permuted activations (``wg_permuted``),
     then, when columns are shared, the partial sums (a slot per block and column: M x the column's
-    weight rows, or bn x them up to 32 rows per block, where each thread stores its accumulators)."""
+    weight rows, or bn x them up to _WG_REGISTER_SUMS_BN rows per block, where each thread stores its
+    accumulators)."""
     rows = max(m, cfg.bn) if cfg.bn <= _WG_REGISTER_SUMS_BN else m
     return wg_permuted(m, cfg, kg) + ((cfg.blocks + cfg.columns) * rows * 16 * _WG_TILES[cfg.wg] if cfg.shared else 0)
 
