@@ -1382,7 +1382,8 @@ __global__ void __launch_bounds__(384, 1)
   }
   __syncthreads();
 
-  if (warp < 4) {  // ---- producer warpgroup: warp 0 copies the weights, warps 1-3 the activations
+  if (warp < 4) {  // ---- producer warpgroup: warp 0 copies the weights, warps 1-3 the activations (D)
+                   //      or add shared segments' partial sums (the helpers, staged kernels)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;" ::: "memory");
     struct Cursor {  // chunk c of group g of column col, in the run's order (WsRun)
       int col, g, c, left, col1, g1;  // after `left` units the run goes on at group g1 of column col1
@@ -1605,8 +1606,9 @@ __global__ void __launch_bounds__(384, 1)
     } else {
       // 16 loads in flight where the block copies its activations (7B q/k/v and o at 64 rows: 5-7% less
       // time than 4); 4 in the staged kernels, whose whole-column launches ran 3-5% slower built with 16
-      wg_segment_out_h<BN, kWidth, 256, true, H, H == 1 && D ? 16 : 4>(acc, seg, cw, ct, lane, b, blocks, units, kg, M, N,
-                                                         m0, ldy, alpha, y, ws, counters, is_last);
+      constexpr int kLoads = H == 1 && D ? 16 : 4;
+      wg_segment_out_h<BN, kWidth, 256, true, H, kLoads>(acc, seg, cw, ct, lane, b, blocks, units, kg, M, N, m0, ldy,
+                                                         alpha, y, ws, counters, is_last);
     }
     u += g1 - g0;
   }
