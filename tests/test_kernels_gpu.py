@@ -137,6 +137,25 @@ def test_forward_sweep(model):
                 check(run_forward(p, x, "wg"), ref, f"{model} {n}x{k} M={m} wgmma kernel")
 
 
+def test_row_tiles_store_through_shared_memory():
+    """Launches of several row tiles (every block a whole column) store their outputs through shared
+    memory where N and the row stride are multiples of 8, straight from the registers otherwise: both
+    exact, with rows past M in the last tile, and nothing written outside the output's columns."""
+    for n, k in ((1000, 1008), (4100, 336), (37888, 3584)):
+        p, wref, gscale = make_layer(n, k, seed=n)
+        for m in (300, 513, 1000):
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            ref = reference(x, wref, gscale)
+            for bn in (128, 256):
+                assert gemm.wg_config(m, p, x.device, bn, 3).blocks == gemm._wg_columns(p, 3)
+                out, ws = poisoned(m, p)
+                check(gemm.gemm_wg_into(x, p, out, bn=bn, wg=3, workspace=ws), ref, f"{n}x{k} M={m} n{bn}")
+                wide = torch.full((m, n + 3), float("nan"), dtype=torch.bfloat16, device="cuda")
+                gemm.gemm_wg_into(x, p, wide[:, :n], bn=bn, wg=3)  # row stride n + 3: the register stores
+                check(wide[:, :n], ref, f"{n}x{k} M={m} n{bn}, row stride {n + 3}")
+                assert wide[:, n:].isnan().all()
+
+
 @pytest.mark.parametrize("tnw", [1, 2, 4])
 @pytest.mark.parametrize("splits", [1, 3, 1000])
 def test_every_kernel_variant(tnw, splits):

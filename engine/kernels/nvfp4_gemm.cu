@@ -1329,6 +1329,45 @@ __device__ __forceinline__ void tma_copy_2d(uint32_t dst, const CUtensorMap* map
 // none (a run of two part columns); otherwise its run goes in order. Segment order, and so the
 // results, are those of a run in order (measured: 7B gate_up at 64-256 rows, runs of 2.2 columns,
 // lost 10-19% with both reordered and helped, and 4% reordered with the compute warps' sums).
+// A whole column's outputs through shared memory (the ring's bytes, free once both compute warpgroups'
+// MMAs are done and the producer has nothing left to copy: the block's last segment): each thread
+// writes its bf16 outputs into a [BN rows][kWidth] tile, then the 256 compute threads store it to
+// y in 16-byte pieces, a row's kWidth outputs by consecutive threads. Written straight from the
+// registers, each store instruction of a warp covers 16 bytes of 4 rows (the MMA's layout), and at
+// 1024 rows these stores took 11-13% of the call (benchmarks/RESULTS.md, twenty-sixth round).
+// Needs N and ldy multiples of 8 and y 16-byte aligned (ws_tile_stores).
+template <int BN, int kWidth, int H>
+__device__ __forceinline__ void ws_store_tile(const float (&acc)[H][BN / 2], const WgSegment& seg, int wl, int tid,
+                                              int lane, int M, int N, int m0, int ldy, float alpha, uint16_t* y,
+                                              char* tile) {
+  constexpr int kRowBytes = kWidth * 2 + 16;  // padded: a warp's 2-byte writes (4 rows, 8 columns) hit 16 banks
+  const int g = lane >> 2, t = lane & 3;
+  asm volatile("bar.sync 1, 256;" ::: "memory");  // both warpgroups' MMAs have read their last stage
+#pragma unroll
+  for (int h = 0; h < H; ++h)
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = 8 * i + 2 * t + (e & 1), c = (wl + 8 * h) * 16 + g + 8 * (e >> 1);
+        *reinterpret_cast<uint16_t*>(tile + r * kRowBytes + 2 * c) = to_bf16(acc[h][4 * i + e] * alpha);
+      }
+  asm volatile("bar.sync 1, 256;" ::: "memory");
+  const int n0 = seg.col * kWidth, rows = min(BN, M - m0);
+  constexpr int kPieces = kWidth / 8;  // 16-byte pieces of a row
+  for (int q = tid; q < rows * kPieces; q += 256) {
+    const int r = q / kPieces, c = (q % kPieces) * 8;
+    if (n0 + c < N)
+      *reinterpret_cast<int4*>(y + (size_t)(m0 + r) * ldy + n0 + c) =
+          *reinterpret_cast<const int4*>(tile + r * kRowBytes + 2 * c);
+  }
+}
+
+// Whether ws_store_tile may store to y (row stride ldy, N columns).
+__device__ __forceinline__ bool ws_tile_stores(const uint16_t* y, int N, int ldy) {
+  return ((N | ldy) & 7) == 0 && (reinterpret_cast<uintptr_t>(y) & 15) == 0;
+}
+
 struct WsRun {
   long long beg, mid, end;  // [mid, end) first, then [beg, mid)
   long long first, thr;     // the run's first unit; units of compute that hide a helpers' sum
@@ -1359,6 +1398,7 @@ __global__ void __launch_bounds__(384, 1)
   constexpr bool copies = D;  // warps 1-3 copy the activations from x
   constexpr bool helpers = !D;  // or else add the shared segments' partial sums (sk_add_slots)
   constexpr int kTiles = T::kTiles, kWidth = kTiles * 16;
+  static_assert(BN * (kWidth * 2 + 16) <= S * T::kStageBytes, "ws_store_tile: the tile fits the ring");
   extern __shared__ __align__(128) char ws_smem[];
   __shared__ int is_last, help_last;
   // the warp index as a value the compiler knows to be warp-uniform (no divergent wgmma path)
@@ -1603,6 +1643,9 @@ __global__ void __launch_bounds__(384, 1)
     if (helpers && !seg.whole && run.helped(piece, u, u + (g1 - g0))) {  // the helpers add them
       sk_store_partial<BN, kWidth, 256, H>(acc, seg, cw, ct, lane, b, M, ws);
       mbar_arrive(part0 + 8 * p++);
+    } else if (gridDim.z > 1 && ws_tile_stores(y, N, ldy)) {
+      // several row tiles: every block is one whole column, its only segment
+      ws_store_tile<BN, kWidth, H>(acc, seg, cw, ct, lane, M, N, m0, ldy, alpha, y, ws_smem + T::kHead);
     } else {
       // 16 loads in flight where the block copies its activations (7B q/k/v and o at 64 rows: 5-7% less
       // time than 4); 4 in the staged kernels, whose whole-column launches ran 3-5% slower built with 16

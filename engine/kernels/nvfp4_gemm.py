@@ -5,7 +5,7 @@ crossovers measured on H200 and H100):
 - "small" (decode, M up to SMALL_PATH_MAX): mma.sync with the weights dequantized in registers as
   the MMA's A operand (see nvfp4_gemm.cu); a tile's K range split over warps of a block and over
   blocks, and tiles per warp, by a rule measured per layer kind (small_config).
-- "wg" (from SMALL_PATH_MAX + 1 rows up to 32-512, the larger the layer the further): the same
+- "wg" (from SMALL_PATH_MAX + 1 rows up to 32-1024, the larger the layer the further): the same
   dequantization feeding warpgroup MMAs (wgmma) whose B operand, the activations, streams through
   a shared-memory ring (from wg_permuted_rows() rows per block out of a copy of them in the MMA's
   input order, written first); the layer's columns x K groups cut into one wave of resident blocks
@@ -106,12 +106,23 @@ _WS_DIRECT_MAX = 400
 WS_DIRECT_BN = (32, 64)
 SMALL_PATH_MAX = int(os.environ.get("QERL_NVFP4_SMALL_MAX", "16"))
 WG_M_MAX = int(os.environ.get("QERL_NVFP4_WG_MAX", "512"))
+# Layers of at least _WG_WIDEST_N outputs (the gate/up projections: hundreds of columns, so several
+# row tiles of whole columns make many even waves) take the warp-specialized kernel up to
+# _WG_WIDEST_M_MAX rows, past _WS_BIG_TILE_FROM rows in row tiles of 256 (one block per SM) rather
+# than 128. benchmarks/RESULTS.md, twenty-sixth round, H200, us: at 1024 rows 7B gate_up 445 with
+# 256-row tiles, 489 with 128, 449 dequantize + cuBLAS; 32B gate_up 907 / 973 / 1081; at 600-1024
+# rows 2-20% less time than dequantize + cuBLAS on the four gate/up shapes of 7B-72B. Narrower
+# layers lose there to wave quantization (14B q/k/v at 600 rows: 168 blocks on 132 SMs, 115 against
+# 88 us), and at 2048 rows dequantize + cuBLAS is ahead on every layer (the kernel runs 600-640
+# TFLOP/s, cuBLAS 700-790).
+_WG_WIDEST_N, _WG_WIDEST_M_MAX = 16384, 1024
+_WS_BIG_TILE_FROM = 512
 WG_PREFETCH_GROUPS = int(os.environ.get("QERL_NVFP4_WG_PREFETCH", "2"))
 # Blocks of the wgmma kernel with one row tile, in waves of resident blocks (stream K), unless the
 # layer has at least _WG_WHOLE_WAVES waves of column blocks.
 WG_FILL = float(os.environ.get("QERL_NVFP4_WG_FILL", "1"))
 _WG_WHOLE_WAVES = 4
-_WG_TILE_ROWS = 128  # rows per block past 256 rows, and from 193 on wide layers (_WG_WHOLE_FILL)
+_WG_TILE_ROWS = 128  # rows per block past 256 rows (to _WS_BIG_TILE_FROM), and from 193 on wide layers (_WG_WHOLE_FILL)
 # From 128-row blocks a layer whose columns fill between this share of one wave of resident blocks
 # and the whole wave takes one block per column (no stream-K partial sums); at 193-256 rows such
 # a layer, or a wider one, takes two row tiles of 128 (two blocks per SM) instead of one of 256.
@@ -232,12 +243,14 @@ def kernel_path(m: int, n: int, k: int) -> str:
     """"small", "wg" or "cublas" for a plain product of M rows of an [n, k] layer (crossovers
     measured with benchmarks/gemm_nvfp4.py --sweep-wg on H200): the small kernel up to
     SMALL_PATH_MAX rows, the wgmma kernels from there on, up to the more rows the larger the
-    layer (to WG_M_MAX only where the layer is also wide); dequantize + cuBLAS beyond."""
+    layer (to WG_M_MAX only where the layer is also wide, to _WG_WIDEST_M_MAX on the widest);
+    dequantize + cuBLAS beyond."""
     if m <= SMALL_PATH_MAX:
         return "small"
     weights = n * k
     if m <= 32 or (m <= 64 and weights >= 10e6) or (m <= 256 and weights >= 15e6) or \
-            (m <= WG_M_MAX and weights >= 30e6 and n >= 7168):
+            (m <= WG_M_MAX and weights >= 30e6 and n >= 7168) or \
+            (m <= _WG_WIDEST_M_MAX and weights >= 30e6 and n >= _WG_WIDEST_N):
         return "wg"
     return "cublas"
 
@@ -343,7 +356,8 @@ def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = N
     Unless wg is given: the warp-specialized kernel (wg = 3) above 32 rows, and at 17-32 rows on
     layers of at least _WS_MIN_WEIGHTS weights (every M above 16 with QERL_NVFP4_WG_WS=1), with
     columns of 256 weight rows (wg = 4) up to 64 rows on wide layers (_WS2_MIN_N, _WS2_MIN_K); in one
-    row tile of the fewest rows that hold M up to 256 rows, else in row tiles of 128; layers of
+    row tile of the fewest rows that hold M up to 256 rows, else in row tiles of 128 (256 past
+    _WS_BIG_TILE_FROM rows); layers of
     few column blocks x K groups (_WS_SHORT_UNITS) take from 128 rows tiles of half the rows.
     Otherwise gemm_wg_kernel: rows past 256 go to row tiles of 128 (two blocks per SM where
     256-row blocks fit one), and so do 193-256 rows on layers of at least _WG_WHOLE_FILL of a wave
@@ -361,7 +375,7 @@ def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = N
         if bn is None:
             raise ValueError(f"the wgmma kernel with 256-row columns (wg = 4) takes up to {WS2_BN[-1]} rows, got {m}")
     if bn is None and wg == 3:
-        bn = next((b for b in WS_BN if b >= m), _WG_TILE_ROWS)
+        bn = next((b for b in WS_BN if b >= m), _WG_TILE_ROWS if m <= _WS_BIG_TILE_FROM else WS_BN[-1])
         if bn >= _WG_TILE_ROWS and m <= WS_BN[-1] and _wg_columns(p, 3) * p.kg <= _WS_SHORT_UNITS:
             bn //= 2
     if bn is None:
