@@ -226,7 +226,7 @@ def test_wgmma_path_and_launch_rule(monkeypatch):
     column blocks x K groups, from 128 rows in two tiles of half the rows with whole columns;
     on wide layers with long rows, columns of 256 weight rows (wg = 4) up to 32 rows, or up to 64
     where they fill most of a wave (then whole columns); past 256
-    rows tiles of 128, past 512 of 256; dequantize + cuBLAS beyond the crossovers; explicit arguments keep the
+    rows tiles of 128, past 384 of 256; dequantize + cuBLAS beyond the crossovers; explicit arguments keep the
     two-warpgroup kernel."""
     from types import SimpleNamespace
 
@@ -246,6 +246,8 @@ def test_wgmma_path_and_launch_rule(monkeypatch):
     assert path["up7"] == ["small", "wg", "wg", "wg", "wg", "wg", "wg"]
     assert gemm.kernel_path(1025, *shapes["up7"]) == "cublas"
     assert gemm.kernel_path(512, 7168, 5120) == "wg" and gemm.kernel_path(513, 7168, 5120) == "cublas"
+    assert gemm.kernel_path(2048, *shapes["up32"]) == "wg" and gemm.kernel_path(2049, *shapes["up32"]) == "cublas"
+    assert gemm.kernel_path(1025, *shapes["up14"]) == "cublas"
     cpu = torch.device("cpu")
     want = {  # (layer, M): (rows per block, warpgroups, blocks, column blocks, copies its activations)
         ("o7", 32): (32, 2, 264, 28, False),  # 12.8M weights: two warpgroups, stream K over a wave of 2 x 132
@@ -256,8 +258,9 @@ def test_wgmma_path_and_launch_rule(monkeypatch):
         ("qkv7", 256): (128, 3, 36, 36, False),
         ("up7", 128): (128, 3, 132, 296, False),
         ("down7", 256): (256, 3, 132, 28, False),  # 28 x 74 units: one tile, stream K
-        ("up7", 512): (128, 3, 296, 296, False),
-        ("up7", 513): (256, 3, 296, 296, False),  # past 512 rows: row tiles of 256
+        ("up7", 512): (256, 3, 296, 296, False),
+        ("up7", 384): (128, 3, 296, 296, False),
+        ("up7", 385): (256, 3, 296, 296, False),  # past 384 rows: row tiles of 256
         ("up7", 1024): (256, 3, 296, 296, False),
         ("up14", 17): (32, 4, 108, 108, False),  # N >= 16384, K >= 4096: columns of 16 tiles, here 0.82 wave:
         ("up14", 64): (64, 4, 108, 108, False),  # whole columns, up to 64 rows

@@ -108,21 +108,24 @@ SMALL_PATH_MAX = int(os.environ.get("QERL_NVFP4_SMALL_MAX", "16"))
 WG_M_MAX = int(os.environ.get("QERL_NVFP4_WG_MAX", "512"))
 # Layers of at least _WG_WIDEST_N outputs (the gate/up projections: hundreds of columns, so several
 # row tiles of whole columns make many even waves) take the warp-specialized kernel up to
-# _WG_WIDEST_M_MAX rows, past _WS_BIG_TILE_FROM rows in row tiles of 256 (one block per SM) rather
-# than 128. benchmarks/RESULTS.md, twenty-sixth round, H200, us: at 1024 rows 7B gate_up 445 with
-# 256-row tiles, 489 with 128, 449 dequantize + cuBLAS; 32B gate_up 907 / 973 / 1081; at 600-1024
-# rows 2-20% less time than dequantize + cuBLAS on the four gate/up shapes of 7B-72B. Narrower
-# layers lose there to wave quantization (14B q/k/v at 600 rows: 168 blocks on 132 SMs, 115 against
-# 88 us), and at 2048 rows dequantize + cuBLAS is ahead on every layer (the kernel runs 600-640
-# TFLOP/s, cuBLAS 700-790).
+# _WG_WIDEST_M_MAX rows, the largest of them (_WG_LARGEST weights: 32B's and 72B's) up to
+# _WG_LARGEST_M_MAX; past _WS_BIG_TILE_FROM rows the kernel takes row tiles of 256 (one block per
+# SM) rather than 128. benchmarks/RESULTS.md, twenty-sixth round, H200, us (benchmarks/gemm_large.py,
+# with the row tiles' stores through shared memory): at 512 rows 256-row tiles against 128-row ones
+# 7B gate_up 200.6 / 213.2, 32B gate_up 438 / 500, 72B gate_up 702 / 743, 14B q/k/v 61.6 / 71.3; at
+# 1024 rows against dequantize + cuBLAS 7B gate_up 391 / 444, 32B 856 / 1025, 72B 1347 / 1590; at
+# 2048 32B 1716 / 1823, 72B 2760 / 2978, but 7B 940 / 844 and 14B 949 / 929 (shorter rows: the
+# per-tile start and end weigh more). Narrower layers lose to wave quantization (14B q/k/v at 600
+# rows: 168 blocks on 132 SMs, 115 against 88 us).
 _WG_WIDEST_N, _WG_WIDEST_M_MAX = 16384, 1024
-_WS_BIG_TILE_FROM = 512
+_WG_LARGEST, _WG_LARGEST_M_MAX = 250e6, 2048
+_WS_BIG_TILE_FROM = 384
 WG_PREFETCH_GROUPS = int(os.environ.get("QERL_NVFP4_WG_PREFETCH", "2"))
 # Blocks of the wgmma kernel with one row tile, in waves of resident blocks (stream K), unless the
 # layer has at least _WG_WHOLE_WAVES waves of column blocks.
 WG_FILL = float(os.environ.get("QERL_NVFP4_WG_FILL", "1"))
 _WG_WHOLE_WAVES = 4
-_WG_TILE_ROWS = 128  # rows per block past 256 rows (to _WS_BIG_TILE_FROM), and from 193 on wide layers (_WG_WHOLE_FILL)
+_WG_TILE_ROWS = 128  # rows per block past 256 rows (wg = 3: to _WS_BIG_TILE_FROM), and from 193 on wide layers (_WG_WHOLE_FILL)
 # From 128-row blocks a layer whose columns fill between this share of one wave of resident blocks
 # and the whole wave takes one block per column (no stream-K partial sums); at 193-256 rows such
 # a layer, or a wider one, takes two row tiles of 128 (two blocks per SM) instead of one of 256.
@@ -243,14 +246,16 @@ def kernel_path(m: int, n: int, k: int) -> str:
     """"small", "wg" or "cublas" for a plain product of M rows of an [n, k] layer (crossovers
     measured with benchmarks/gemm_nvfp4.py --sweep-wg on H200): the small kernel up to
     SMALL_PATH_MAX rows, the wgmma kernels from there on, up to the more rows the larger the
-    layer (to WG_M_MAX only where the layer is also wide, to _WG_WIDEST_M_MAX on the widest);
+    layer (to WG_M_MAX only where the layer is also wide, to _WG_WIDEST_M_MAX or
+    _WG_LARGEST_M_MAX on the widest);
     dequantize + cuBLAS beyond."""
     if m <= SMALL_PATH_MAX:
         return "small"
     weights = n * k
     if m <= 32 or (m <= 64 and weights >= 10e6) or (m <= 256 and weights >= 15e6) or \
             (m <= WG_M_MAX and weights >= 30e6 and n >= 7168) or \
-            (m <= _WG_WIDEST_M_MAX and weights >= 30e6 and n >= _WG_WIDEST_N):
+            (m <= (_WG_LARGEST_M_MAX if weights >= _WG_LARGEST else _WG_WIDEST_M_MAX) and weights >= 30e6 and
+             n >= _WG_WIDEST_N):
         return "wg"
     return "cublas"
 
