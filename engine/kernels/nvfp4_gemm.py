@@ -5,7 +5,7 @@ crossovers measured on H200 and H100):
 - "small" (decode, M up to SMALL_PATH_MAX): mma.sync with the weights dequantized in registers as
   the MMA's A operand (see nvfp4_gemm.cu); a tile's K range split over warps of a block and over
   blocks, and tiles per warp, by a rule measured per layer kind (small_config).
-- "wg" (from SMALL_PATH_MAX + 1 rows up to 32-1024, the larger the layer the further): the same
+- "wg" (from SMALL_PATH_MAX + 1 rows up to 32-2048, the larger the layer the further): the same
   dequantization feeding warpgroup MMAs (wgmma) whose B operand, the activations, streams through
   a shared-memory ring (from wg_permuted_rows() rows per block out of a copy of them in the MMA's
   input order, written first); the layer's columns x K groups cut into one wave of resident blocks
