@@ -1317,18 +1317,6 @@ __device__ __forceinline__ void tma_copy_2d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
-// The warp-specialized kernel's run order and who adds its shared segments' partial sums. The
-// producer's idle warps 1-3 (the helpers; staged kernels only) take a shared segment's ticket and, in
-// the column's last block, add its slots (sk_add_slots) while the compute warps go on. Their sums are
-// slow (96 threads of 56 registers, a few loads in flight), so they take only the run's first segment
-// (whose column's other blocks mostly finish later: a ticket, seldom a sum) and segments followed by
-// at least `thr` units of the run (a column at up to 32 rows a block, two above); a run's last segment
-// stays with the compute warps. A block whose run ends inside a column that it did not start in takes
-// that column's head first, then the rest in order (the tail of its first column, then whole columns),
-// where its whole columns are at least thr units (the tail's sum then hides behind them) or it has
-// none (a run of two part columns); otherwise its run goes in order. Segment order, and so the
-// results, are those of a run in order (measured: 7B gate_up at 64-256 rows, runs of 2.2 columns,
-// lost 10-19% with both reordered and helped, and 4% reordered with the compute warps' sums).
 // A whole column's outputs through shared memory (the ring's bytes, free once both compute warpgroups'
 // MMAs are done and the producer has nothing left to copy: the block's last segment): each thread
 // writes its bf16 outputs into a [BN rows][kWidth] tile, then the 256 compute threads store it to
@@ -1368,6 +1356,18 @@ __device__ __forceinline__ bool ws_tile_stores(const uint16_t* y, int N, int ldy
   return ((N | ldy) & 7) == 0 && (reinterpret_cast<uintptr_t>(y) & 15) == 0;
 }
 
+// The warp-specialized kernel's run order and who adds its shared segments' partial sums. The
+// producer's idle warps 1-3 (the helpers; staged kernels only) take a shared segment's ticket and, in
+// the column's last block, add its slots (sk_add_slots) while the compute warps go on. Their sums are
+// slow (96 threads of 56 registers, a few loads in flight), so they take only the run's first segment
+// (whose column's other blocks mostly finish later: a ticket, seldom a sum) and segments followed by
+// at least `thr` units of the run (a column at up to 32 rows a block, two above); a run's last segment
+// stays with the compute warps. A block whose run ends inside a column that it did not start in takes
+// that column's head first, then the rest in order (the tail of its first column, then whole columns),
+// where its whole columns are at least thr units (the tail's sum then hides behind them) or it has
+// none (a run of two part columns); otherwise its run goes in order. Segment order, and so the
+// results, are those of a run in order (measured: 7B gate_up at 64-256 rows, runs of 2.2 columns,
+// lost 10-19% with both reordered and helped, and 4% reordered with the compute warps' sums).
 struct WsRun {
   long long beg, mid, end;  // [mid, end) first, then [beg, mid)
   long long first, thr;     // the run's first unit; units of compute that hide a helpers' sum

@@ -125,7 +125,8 @@ WG_PREFETCH_GROUPS = int(os.environ.get("QERL_NVFP4_WG_PREFETCH", "2"))
 # layer has at least _WG_WHOLE_WAVES waves of column blocks.
 WG_FILL = float(os.environ.get("QERL_NVFP4_WG_FILL", "1"))
 _WG_WHOLE_WAVES = 4
-_WG_TILE_ROWS = 128  # rows per block past 256 rows (wg = 3: to _WS_BIG_TILE_FROM), and from 193 on wide layers (_WG_WHOLE_FILL)
+# rows per block past 256 rows (wg = 3: up to _WS_BIG_TILE_FROM), and from 193 on wide layers (_WG_WHOLE_FILL)
+_WG_TILE_ROWS = 128
 # From 128-row blocks a layer whose columns fill between this share of one wave of resident blocks
 # and the whole wave takes one block per column (no stream-K partial sums); at 193-256 rows such
 # a layer, or a wider one, takes two row tiles of 128 (two blocks per SM) instead of one of 256.
@@ -246,9 +247,8 @@ def kernel_path(m: int, n: int, k: int) -> str:
     """"small", "wg" or "cublas" for a plain product of M rows of an [n, k] layer (crossovers
     measured with benchmarks/gemm_nvfp4.py --sweep-wg on H200): the small kernel up to
     SMALL_PATH_MAX rows, the wgmma kernels from there on, up to the more rows the larger the
-    layer (to WG_M_MAX only where the layer is also wide, to _WG_WIDEST_M_MAX or
-    _WG_LARGEST_M_MAX on the widest);
-    dequantize + cuBLAS beyond."""
+    layer (to WG_M_MAX only where the layer is also wide, to _WG_WIDEST_M_MAX or _WG_LARGEST_M_MAX
+    on the widest); dequantize + cuBLAS beyond."""
     if m <= SMALL_PATH_MAX:
         return "small"
     weights = n * k
@@ -362,8 +362,8 @@ def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = N
     layers of at least _WS_MIN_WEIGHTS weights (every M above 16 with QERL_NVFP4_WG_WS=1), with
     columns of 256 weight rows (wg = 4) up to 64 rows on wide layers (_WS2_MIN_N, _WS2_MIN_K); in one
     row tile of the fewest rows that hold M up to 256 rows, else in row tiles of 128 (256 past
-    _WS_BIG_TILE_FROM rows); layers of
-    few column blocks x K groups (_WS_SHORT_UNITS) take from 128 rows tiles of half the rows.
+    _WS_BIG_TILE_FROM rows); layers of few column blocks x K groups (_WS_SHORT_UNITS) take from 128
+    rows tiles of half the rows.
     Otherwise gemm_wg_kernel: rows past 256 go to row tiles of 128 (two blocks per SM where
     256-row blocks fit one), and so do 193-256 rows on layers of at least _WG_WHOLE_FILL of a wave
     of columns. A kernel with more than one row tile gives every block a whole column; with one,
