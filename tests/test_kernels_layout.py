@@ -236,7 +236,8 @@ def test_wgmma_path_and_launch_rule(monkeypatch):
     monkeypatch.setattr(gemm, "_wg_occupancy", lambda bn, wg: 1 if wg >= 3 or bn > 128 else (4 if wg == 1 else 2))
     monkeypatch.setattr(gemm, "WG_WS", False)
     shapes = {"qkv7": (4608, 3584), "o7": (3584, 3584), "up7": (37888, 3584), "down7": (3584, 18944),
-              "up14": (27648, 5120), "down14": (5120, 13824), "up32": (55296, 5120)}
+              "up14": (27648, 5120), "down14": (5120, 13824), "up32": (55296, 5120), "qkv14": (7168, 5120),
+              "qkv72": (10240, 8192)}
     layers = {name: SimpleNamespace(n=n, k=k, ntiles=n // 16, kg=k // 256) for name, (n, k) in shapes.items()}
     path = {name: [gemm.kernel_path(m, n, k) for m in (16, 32, 64, 128, 256, 512, 1024)]
             for name, (n, k) in shapes.items()}
@@ -262,6 +263,8 @@ def test_wgmma_path_and_launch_rule(monkeypatch):
         ("up7", 384): (128, 3, 296, 296, False),
         ("up7", 385): (256, 3, 296, 296, False),  # past 384 rows: row tiles of 256
         ("up7", 1024): (256, 3, 296, 296, False),
+        ("qkv14", 512): (256, 3, 56, 56, False),  # 2 x 56 blocks: one wave either way, 256-row tiles
+        ("qkv72", 512): (128, 3, 80, 80, False),  # 2 x 80 blocks of 256 rows: two waves, 4 x 80 of 128: three
         ("up14", 17): (32, 4, 108, 108, False),  # N >= 16384, K >= 4096: columns of 16 tiles, here 0.82 wave:
         ("up14", 64): (64, 4, 108, 108, False),  # whole columns, up to 64 rows
         ("up14", 65): (128, 3, 132, 216, False),

@@ -120,6 +120,8 @@ WG_M_MAX = int(os.environ.get("QERL_NVFP4_WG_MAX", "512"))
 _WG_WIDEST_N, _WG_WIDEST_M_MAX = 16384, 1024
 _WG_LARGEST, _WG_LARGEST_M_MAX = 250e6, 2048
 _WS_BIG_TILE_FROM = 384
+# 256-row tiles' throughput over 128-row ones, at 1024 rows 1.10-1.28 (gemm_large.py, same section)
+_WS_TILE_128_COST = 1.15
 WG_PREFETCH_GROUPS = int(os.environ.get("QERL_NVFP4_WG_PREFETCH", "2"))
 # Blocks of the wgmma kernel with one row tile, in waves of resident blocks (stream K), unless the
 # layer has at least _WG_WHOLE_WAVES waves of column blocks.
@@ -361,8 +363,8 @@ def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = N
     Unless wg is given: the warp-specialized kernel (wg = 3) above 32 rows, and at 17-32 rows on
     layers of at least _WS_MIN_WEIGHTS weights (every M above 16 with QERL_NVFP4_WG_WS=1), with
     columns of 256 weight rows (wg = 4) up to 64 rows on wide layers (_WS2_MIN_N, _WS2_MIN_K); in one
-    row tile of the fewest rows that hold M up to 256 rows, else in row tiles of 128 (256 past
-    _WS_BIG_TILE_FROM rows); layers of few column blocks x K groups (_WS_SHORT_UNITS) take from 128
+    row tile of the fewest rows that hold M up to 256 rows, else in row tiles of 128 (mostly 256
+    past _WS_BIG_TILE_FROM rows: _ws_row_tile); layers of few column blocks x K groups (_WS_SHORT_UNITS) take from 128
     rows tiles of half the rows.
     Otherwise gemm_wg_kernel: rows past 256 go to row tiles of 128 (two blocks per SM where
     256-row blocks fit one), and so do 193-256 rows on layers of at least _WG_WHOLE_FILL of a wave
@@ -380,7 +382,7 @@ def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = N
         if bn is None:
             raise ValueError(f"the wgmma kernel with 256-row columns (wg = 4) takes up to {WS2_BN[-1]} rows, got {m}")
     if bn is None and wg == 3:
-        bn = next((b for b in WS_BN if b >= m), _WG_TILE_ROWS if m <= _WS_BIG_TILE_FROM else WS_BN[-1])
+        bn = next((b for b in WS_BN if b >= m), _ws_row_tile(m, p, device))
         if bn >= _WG_TILE_ROWS and m <= WS_BN[-1] and _wg_columns(p, 3) * p.kg <= _WS_SHORT_UNITS:
             bn //= 2
     if bn is None:
@@ -412,6 +414,24 @@ def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = N
         raise ValueError(f"only the warp-specialized kernel (wg = 3) with {' or '.join(map(str, WS_DIRECT_BN))} rows "
                          f"per block copies the activations itself, got {bn} rows with wg = {wg}")
     return WgConfig(bn, wg, blocks, columns, direct)
+
+
+def _ws_row_tile(m: int, p: PreparedNVFP4, device: torch.device) -> int:
+    """Rows per row tile of the warp-specialized kernel past 256 rows: 128 up to _WS_BIG_TILE_FROM
+    rows, 256 beyond it; at most WG_M_MAX rows, 128 where its tiles take fewer waves' worth of rows
+    (waves of resident blocks, rounded up, times the tile's rows), counting them _WS_TILE_128_COST
+    times dearer for their lower throughput: 72B q/k/v at 512 rows (80 columns) 147.5 us in
+    128-row tiles against 174.5 in 256-row ones (160 blocks on 132 SMs)."""
+    if m <= _WS_BIG_TILE_FROM:
+        return _WG_TILE_ROWS
+    if m > WG_M_MAX:
+        return WS_BN[-1]
+
+    def rows(bn: int) -> int:
+        wave = _wg_occupancy(bn, 3) * sm_count(device)
+        return -(-(-(-m // bn) * _wg_columns(p, 3)) // wave) * bn
+
+    return WS_BN[-1] if rows(WS_BN[-1]) <= _WS_TILE_128_COST * rows(_WG_TILE_ROWS) else _WG_TILE_ROWS
 
 
 def _ws2_fills(p: PreparedNVFP4, device: torch.device) -> bool:
