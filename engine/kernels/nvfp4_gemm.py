@@ -418,10 +418,10 @@ def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = N
 
 def _ws_row_tile(m: int, p: PreparedNVFP4, device: torch.device) -> int:
     """Rows per row tile of the warp-specialized kernel past 256 rows: 128 up to _WS_BIG_TILE_FROM
-    rows, 256 beyond it; at most WG_M_MAX rows, 128 where its tiles take fewer waves' worth of rows
-    (waves of resident blocks, rounded up, times the tile's rows), counting them _WS_TILE_128_COST
-    times dearer for their lower throughput: 72B q/k/v at 512 rows (80 columns) 147.5 us in
-    128-row tiles against 174.5 in 256-row ones (160 blocks on 132 SMs)."""
+    rows, 256 past WG_M_MAX; in between 256 unless 128-row tiles take fewer waves' worth of rows
+    (waves of resident blocks, rounded up, times the tile's rows), theirs counted _WS_TILE_128_COST
+    times for their lower throughput: 72B q/k/v at 512 rows (80 columns) took 147.5 us in 128-row
+    tiles against 174.5 in 256-row ones (160 blocks on 132 SMs)."""
     if m <= _WS_BIG_TILE_FROM:
         return _WG_TILE_ROWS
     if m > WG_M_MAX:
