@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.decode_ab import applied, kernels_variant  # noqa: E402
-from benchmarks.gemm_nvfp4 import SHAPES, Layer  # noqa: E402
+from benchmarks.gemm_nvfp4 import Layer, parse_layers  # noqa: E402
 
 ROUNDS = 3
 
@@ -31,12 +31,10 @@ def main() -> None:
     if len(sys.argv) < 3:
         raise SystemExit(__doc__)
     variants = [("new", [])] + [kernels_variant(a) for a in sys.argv[3:]]
-    layers = [s.split(":") for s in sys.argv[1].split(",")]
     ms = [int(v) for v in sys.argv[2].split(",")]
     print("layer M " + " ".join(f"{n:>8s}" for n, _ in variants)
           + f"   (us, median of {ROUNDS} interleaved rounds; new / each other)")
-    for model, layer in layers:
-        n, k = SHAPES[model][layer] if model in SHAPES and layer in SHAPES[model] else map(int, layer.split("x"))
+    for model, layer, n, k in parse_layers(sys.argv[1]):
         weights = Layer(n, k)
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.gemm_nvfp4 import SHAPES, Layer  # noqa: E402
+from benchmarks.gemm_nvfp4 import Layer, parse_layers  # noqa: E402
 from engine.kernels import nvfp4_gemm as gemm  # noqa: E402
 
 ROUNDS = 2
@@ -28,11 +28,9 @@ def main() -> None:
     if len(sys.argv) < 3:
         raise SystemExit(__doc__)
     torch.backends.cuda.matmul.allow_tf32 = False
-    layers = [s.split(":") for s in sys.argv[1].split(",")]
     ms = [int(v) for v in sys.argv[2].split(",")]
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  (us; x: bf16 / this; TF: TFLOP/s)")
-    for model, layer in layers:
-        n, k = SHAPES[model][layer] if model in SHAPES and layer in SHAPES[model] else map(int, layer.split("x"))
+    for model, layer, n, k in parse_layers(sys.argv[1]):
         weights = Layer(n, k)
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

@@ -41,6 +41,16 @@ ROTATE_BYTES = 300e6
 CEILING = 16 / 4.5
 
 
+def parse_layers(text: str) -> list[tuple[str, str, int, int]]:
+    """``model:layer,...`` (SHAPES' names, or model:NxK) -> [(model, layer, N, K)]."""
+    out = []
+    for item in text.split(","):
+        model, layer = item.split(":")
+        n, k = SHAPES[model][layer] if model in SHAPES and layer in SHAPES[model] else map(int, layer.split("x"))
+        out.append((model, layer, n, k))
+    return out
+
+
 def time_calls(calls, reps: int = 15) -> float:
     """Median microseconds per call of a CUDA graph that runs every call once."""
     stream = torch.cuda.Stream()
