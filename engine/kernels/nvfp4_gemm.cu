@@ -1317,29 +1317,48 @@ __device__ __forceinline__ void tma_copy_2d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
+// Two fp32 values rounded to bf16 (as to_bf16) in one register: lo in the low half.
+__device__ __forceinline__ uint32_t bf16x2_of(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
 // A whole column's outputs through shared memory (the ring's bytes, free once both compute warpgroups'
-// MMAs are done and the producer has nothing left to copy: the block's last segment): each thread
-// writes its bf16 outputs into a [BN rows][kWidth] tile, then the 256 compute threads store it to
+// MMAs are done and the producer has nothing left to copy: the block's last segment): the threads
+// write their bf16 outputs into a [BN rows][kWidth] tile, then the 256 compute threads store it to
 // y in 16-byte pieces, a row's kWidth outputs by consecutive threads. Written straight from the
 // registers, each store instruction of a warp covers 16 bytes of 4 rows (the MMA's layout), and at
 // 1024 rows these stores took 11-13% of the call (benchmarks/RESULTS.md, twenty-sixth round).
+// The accumulators of 8 activation rows x 8 weight rows (acc[4i + 2q + e]: the warp's weight row
+// g + 8q, activation row 8i + 2t + e) are an 8x8 matrix in the MMA's fragment order, weight rows
+// along its rows, so a transposing stmatrix writes them as eight 16-byte pieces of tile rows; one
+// instruction takes four (matrix m: rows 8 (i + m / 2) .., q = m % 2; lanes 8m .. 8m + 7 give its
+// rows' addresses), 16 bf16x2 conversions and 4 instructions where 2-byte stores took 16.
 // Needs N and ldy multiples of 8 and y 16-byte aligned (ws_tile_stores).
 template <int BN, int kWidth, int H>
 __device__ __forceinline__ void ws_store_tile(const float (&acc)[H][BN / 2], const WgSegment& seg, int wl, int tid,
                                               int lane, int M, int N, int m0, int ldy, float alpha, uint16_t* y,
                                               char* tile) {
-  constexpr int kRowBytes = kWidth * 2 + 16;  // padded: a warp's 2-byte writes (4 rows, 8 columns) hit 16 banks
-  const int g = lane >> 2, t = lane & 3;
+  constexpr int kRowBytes = kWidth * 2 + 16;  // padded: a matrix's eight 16-byte rows hit all 32 banks
+  const uint32_t lane_at = static_cast<uint32_t>(__cvta_generic_to_shared(tile)) +
+                           (8 * (lane >> 4) + (lane & 7)) * kRowBytes + 16 * ((lane >> 3) & 1) + 32 * wl;
   asm volatile("bar.sync 1, 256;" ::: "memory");  // both warpgroups' MMAs have read their last stage
 #pragma unroll
   for (int h = 0; h < H; ++h)
 #pragma unroll
-    for (int i = 0; i < BN / 8; ++i)
+    for (int i = 0; i < BN / 8; i += 2) {
+      uint32_t r[4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = 8 * i + 2 * t + (e & 1), c = (wl + 8 * h) * 16 + g + 8 * (e >> 1);
-        *reinterpret_cast<uint16_t*>(tile + r * kRowBytes + 2 * c) = to_bf16(acc[h][4 * i + e] * alpha);
+      for (int m = 0; m < 4; ++m) {
+        const int e = 4 * (i + (m >> 1)) + 2 * (m & 1);
+        r[m] = bf16x2_of(acc[h][e] * alpha, acc[h][e + 1] * alpha);
       }
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(
+                       lane_at + i * 8 * kRowBytes + 256 * h),
+                   "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+                   : "memory");
+    }
   asm volatile("bar.sync 1, 256;" ::: "memory");
   const int n0 = seg.col * kWidth, rows = min(BN, M - m0);
   constexpr int kPieces = kWidth / 8;  // 16-byte pieces of a row
