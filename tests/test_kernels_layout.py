@@ -226,7 +226,8 @@ def test_wgmma_path_and_launch_rule(monkeypatch):
     column blocks x K groups, from 128 rows in two tiles of half the rows with whole columns;
     on wide layers with long rows, columns of 256 weight rows (wg = 4) up to 32 rows, or up to 64
     where they fill most of a wave (then whole columns); past 256
-    rows tiles of 128, past 384 of 256; dequantize + cuBLAS beyond the crossovers; explicit arguments keep the
+    rows tiles of 128, past 384 of 256 (or 128 where they take fewer waves); past 384 rows the narrower
+    layers where the cost model says so; dequantize + cuBLAS beyond the crossovers; explicit arguments keep the
     two-warpgroup kernel."""
     from types import SimpleNamespace
 
@@ -241,14 +242,21 @@ def test_wgmma_path_and_launch_rule(monkeypatch):
     layers = {name: SimpleNamespace(n=n, k=k, ntiles=n // 16, kg=k // 256) for name, (n, k) in shapes.items()}
     path = {name: [gemm.kernel_path(m, n, k) for m in (16, 32, 64, 128, 256, 512, 1024)]
             for name, (n, k) in shapes.items()}
-    assert path["o7"] == ["small", "wg", "wg", "cublas", "cublas", "cublas", "cublas"]  # 12.8M weights
-    assert path["qkv7"] == ["small", "wg", "wg", "wg", "wg", "cublas", "cublas"]  # 16.5M
-    assert path["down7"] == ["small", "wg", "wg", "wg", "wg", "cublas", "cublas"]  # N < 7168
+    # 12.8M weights; at 512 rows 112 blocks of 128 rows fill most of a wave (the cost model)
+    assert path["o7"] == ["small", "wg", "wg", "cublas", "cublas", "wg", "cublas"]
+    assert path["qkv7"] == ["small", "wg", "wg", "wg", "wg", "cublas", "cublas"]  # 16.5M; 144-288 blocks: 2 waves
+    assert path["down7"] == ["small", "wg", "wg", "wg", "wg", "wg", "cublas"]  # N < 7168: only the cost model
     assert path["up7"] == ["small", "wg", "wg", "wg", "wg", "wg", "wg"]
     assert gemm.kernel_path(1025, *shapes["up7"]) == "cublas"
     assert gemm.kernel_path(512, 7168, 5120) == "wg" and gemm.kernel_path(513, 7168, 5120) == "cublas"
     assert gemm.kernel_path(2048, *shapes["up32"]) == "wg" and gemm.kernel_path(2049, *shapes["up32"]) == "cublas"
     assert gemm.kernel_path(1025, *shapes["up14"]) == "cublas"
+    # the cost model past 384 rows (narrower layers): one well-filled wave of 256-row tiles wins,
+    # two waves of which the second is nearly empty lose, and past _WS_MODEL_M_MAX rows cuBLAS
+    assert gemm.kernel_path(768, *shapes["qkv72"]) == "wg" and gemm.kernel_path(768, *shapes["down14"]) == "wg"
+    assert gemm.kernel_path(1024, *shapes["down14"]) == "cublas"  # 160 blocks: 1.2 waves
+    assert gemm.kernel_path(1536, 8192, 8192) == "cublas" and gemm.kernel_path(1024, 8192, 8192) == "wg"
+    assert gemm.kernel_path(768, *shapes["qkv72"], sms=78) == "cublas"  # 240 blocks on 78 SMs: 3.1 waves
     cpu = torch.device("cpu")
     want = {  # (layer, M): (rows per block, warpgroups, blocks, column blocks, copies its activations)
         ("o7", 32): (32, 2, 264, 28, False),  # 12.8M weights: two warpgroups, stream K over a wave of 2 x 132
@@ -265,6 +273,8 @@ def test_wgmma_path_and_launch_rule(monkeypatch):
         ("up7", 1024): (256, 3, 296, 296, False),
         ("qkv14", 512): (256, 3, 56, 56, False),  # 2 x 56 blocks: one wave either way, 256-row tiles
         ("qkv72", 512): (128, 3, 80, 80, False),  # 2 x 80 blocks of 256 rows: two waves, 4 x 80 of 128: three
+        ("qkv72", 768): (256, 3, 80, 80, False),  # 3 x 80 of 256: two waves, 6 x 80 of 128: four
+        ("down7", 512): (128, 3, 28, 28, False),  # 4 x 28 blocks of 128 rows: one wave
         ("up14", 17): (32, 4, 108, 108, False),  # N >= 16384, K >= 4096: columns of 16 tiles, here 0.82 wave:
         ("up14", 64): (64, 4, 108, 108, False),  # whole columns, up to 64 rows
         ("up14", 65): (128, 3, 132, 216, False),

@@ -5,7 +5,8 @@ crossovers measured on H200 and H100):
 - "small" (decode, M up to SMALL_PATH_MAX): mma.sync with the weights dequantized in registers as
   the MMA's A operand (see nvfp4_gemm.cu); a tile's K range split over warps of a block and over
   blocks, and tiles per warp, by a rule measured per layer kind (small_config).
-- "wg" (from SMALL_PATH_MAX + 1 rows up to 32-2048, the larger the layer the further): the same
+- "wg" (from SMALL_PATH_MAX + 1 rows up to 32-2048, the larger the layer the further; at 385-1024
+  rows on the narrower layers where a cost model of both paths says it is faster): the same
   dequantization feeding warpgroup MMAs (wgmma) whose B operand, the activations, streams through
   a shared-memory ring (from wg_permuted_rows() rows per block out of a copy of them in the MMA's
   input order, written first); the layer's columns x K groups cut into one wave of resident blocks
@@ -122,6 +123,20 @@ _WG_LARGEST, _WG_LARGEST_M_MAX = 250e6, 2048
 _WS_BIG_TILE_FROM = 384
 # 256-row tiles' throughput over 128-row ones, at 1024 rows 1.10-1.28 (gemm_large.py, same section)
 _WS_TILE_128_COST = 1.15
+# Past _WS_BIG_TILE_FROM rows, up to _WS_MODEL_M_MAX, the narrower layers (q/k/v, o, down) take the
+# warp-specialized kernel where a cost model of both paths (_ws_beats_cublas) gives it the shorter
+# time, fitted to benchmarks/gemm_large.py on the H200 (twenty-seventh round, benchmarks/RESULTS.md:
+# 12 layers of 7B-72B at 448-2048 rows): the kernel takes its waves' worth of rows (_ws_tiles) times
+# 128 columns times K multiply-adds at _WS_SM_FLOPS per multiprocessor, plus staging the activations
+# (read and written at _STAGE_BYTES_S); dequantize + cuBLAS takes 2 M N K at _BF16_FLOPS plus the
+# dequantizing pass (2.5625 bytes a weight at _DEQUANT_BYTES_S) plus _CUBLAS_FIXED_US. Where a tile's
+# wave is well filled it wins at up to ~1024 rows: 72B q/k/v at 768 rows 197 against 235 us, 14B o
+# 63.5 against 73.3, 7B down at 512 rows 125.5 against 137.3; past that the dequantizing pass is
+# a small share of cuBLAS's time, and the model's misses cost more (72B down at 1536 rows 1170
+# against 1118).
+_WS_MODEL_M_MAX = 1024
+_WS_SM_FLOPS, _STAGE_BYTES_S = 5.6e12, 3.0e12
+_BF16_FLOPS, _DEQUANT_BYTES_S, _CUBLAS_FIXED_US = 7.6e14, 3.4e12, 2.0
 WG_PREFETCH_GROUPS = int(os.environ.get("QERL_NVFP4_WG_PREFETCH", "2"))
 # Blocks of the wgmma kernel with one row tile, in waves of resident blocks (stream K), unless the
 # layer has at least _WG_WHOLE_WAVES waves of column blocks.
@@ -245,12 +260,14 @@ def _m_tiles(m: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1, -(-m // 8)))))
 
 
-def kernel_path(m: int, n: int, k: int) -> str:
+def kernel_path(m: int, n: int, k: int, sms: int | None = None) -> str:
     """"small", "wg" or "cublas" for a plain product of M rows of an [n, k] layer (crossovers
     measured with benchmarks/gemm_nvfp4.py --sweep-wg on H200): the small kernel up to
     SMALL_PATH_MAX rows, the wgmma kernels from there on, up to the more rows the larger the
     layer (to WG_M_MAX only where the layer is also wide, to _WG_WIDEST_M_MAX or _WG_LARGEST_M_MAX
-    on the widest); dequantize + cuBLAS beyond."""
+    on the widest); past _WS_BIG_TILE_FROM rows on narrower layers where the cost model says it is
+    faster (_ws_beats_cublas, on a GPU of ``sms`` multiprocessors: the current one's by default);
+    dequantize + cuBLAS beyond."""
     if m <= SMALL_PATH_MAX:
         return "small"
     weights = n * k
@@ -259,7 +276,32 @@ def kernel_path(m: int, n: int, k: int) -> str:
             (m <= (_WG_LARGEST_M_MAX if weights >= _WG_LARGEST else _WG_WIDEST_M_MAX) and weights >= 30e6 and
              n >= _WG_WIDEST_N):
         return "wg"
+    if _WS_BIG_TILE_FROM < m <= _WS_MODEL_M_MAX and n < _WG_WIDEST_N and _ws_beats_cublas(m, n, k, sms):
+        return "wg"
     return "cublas"
+
+
+def _ws_tiles(m: int, columns: int, sms: int) -> tuple[int, float]:
+    """(rows per row tile, waves' worth of rows) of the warp-specialized kernel past
+    _WS_BIG_TILE_FROM rows: of 256- and 128-row tiles the one that takes fewer waves of blocks
+    (one block per multiprocessor) times its rows, the 128-row tiles' counted _WS_TILE_128_COST
+    times for their lower throughput."""
+    def rows(bn: int) -> int:
+        return -(-(-(-m // bn) * columns) // sms) * bn
+
+    big, small = rows(WS_BN[-1]), _WS_TILE_128_COST * rows(_WG_TILE_ROWS)
+    return (WS_BN[-1], big) if big <= small else (_WG_TILE_ROWS, small)
+
+
+def _ws_beats_cublas(m: int, n: int, k: int, sms: int | None = None) -> bool:
+    """The cost model of _WS_MODEL_M_MAX: the warp-specialized kernel (row tiles of _ws_tiles) takes
+    less time than dequantize + cuBLAS for M rows of an [n, k] layer."""
+    if sms is None:
+        sms = sm_count(torch.device("cuda")) if torch.cuda.is_available() else 132
+    _, rows = _ws_tiles(m, -(-n // (16 * _WG_TILES[3])), sms)
+    ws = rows * 128 * k * 2 / _WS_SM_FLOPS + 4 * m * k / _STAGE_BYTES_S
+    cublas = 2 * m * n * k / _BF16_FLOPS + 2.5625 * n * k / _DEQUANT_BYTES_S + _CUBLAS_FIXED_US * 1e-6
+    return ws < cublas
 
 
 def use_fused(m: int, n: int, k: int) -> bool:
@@ -418,20 +460,12 @@ def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = N
 
 def _ws_row_tile(m: int, p: PreparedNVFP4, device: torch.device) -> int:
     """Rows per row tile of the warp-specialized kernel past 256 rows: 128 up to _WS_BIG_TILE_FROM
-    rows, 256 past WG_M_MAX; in between 256 unless 128-row tiles take fewer waves' worth of rows
-    (waves of resident blocks, rounded up, times the tile's rows), theirs counted _WS_TILE_128_COST
-    times for their lower throughput: 72B q/k/v at 512 rows (80 columns) took 147.5 us in 128-row
-    tiles against 174.5 in 256-row ones (160 blocks on 132 SMs)."""
+    rows, then 256 unless 128-row tiles take fewer waves' worth of rows (_ws_tiles): 72B q/k/v at
+    512 rows (80 columns) took 147.5 us in 128-row tiles against 174.5 in 256-row ones (160 blocks
+    on 132 SMs)."""
     if m <= _WS_BIG_TILE_FROM:
         return _WG_TILE_ROWS
-    if m > WG_M_MAX:
-        return WS_BN[-1]
-
-    def rows(bn: int) -> int:
-        wave = _wg_occupancy(bn, 3) * sm_count(device)
-        return -(-(-(-m // bn) * _wg_columns(p, 3)) // wave) * bn
-
-    return WS_BN[-1] if rows(WS_BN[-1]) <= _WS_TILE_128_COST * rows(_WG_TILE_ROWS) else _WG_TILE_ROWS
+    return _ws_tiles(m, _wg_columns(p, 3), sm_count(device))[0]
 
 
 def _ws2_fills(p: PreparedNVFP4, device: torch.device) -> bool:
