@@ -225,10 +225,10 @@ def test_wgmma_path_and_launch_rule(monkeypatch):
     warp-specialized kernel (wg = 3) in one row tile shared by stream K, or, on layers with few
     column blocks x K groups, from 128 rows in two tiles of half the rows with whole columns;
     on wide layers with long rows, columns of 256 weight rows (wg = 4) up to 32 rows, or up to 64
-    where they fill most of a wave (then whole columns); past 256
-    rows tiles of 128, past 384 of 256 (or 128 where they take fewer waves); past 384 rows the narrower
-    layers where the cost model says so; dequantize + cuBLAS beyond the crossovers; explicit arguments keep the
-    two-warpgroup kernel."""
+    where they fill most of a wave (then whole columns); past 256 rows tiles of 256 or of 128,
+    whichever takes fewer waves' worth of rows, and the narrower layers where the cost model says
+    so; dequantize + cuBLAS beyond the crossovers; explicit arguments keep the two-warpgroup
+    kernel."""
     from types import SimpleNamespace
 
     from engine.kernels import nvfp4_gemm as gemm
@@ -240,13 +240,15 @@ def test_wgmma_path_and_launch_rule(monkeypatch):
               "up14": (27648, 5120), "down14": (5120, 13824), "up32": (55296, 5120), "qkv14": (7168, 5120),
               "qkv72": (10240, 8192)}
     layers = {name: SimpleNamespace(n=n, k=k, ntiles=n // 16, kg=k // 256) for name, (n, k) in shapes.items()}
-    path = {name: [gemm.kernel_path(m, n, k) for m in (16, 32, 64, 128, 256, 512, 1024)]
+    path = {name: [gemm.kernel_path(m, n, k) for m in (16, 32, 64, 128, 256, 320, 512, 1024)]
             for name, (n, k) in shapes.items()}
     # 12.8M weights; at 512 rows 112 blocks of 128 rows fill most of a wave (the cost model)
-    assert path["o7"] == ["small", "wg", "wg", "cublas", "cublas", "wg", "cublas"]
-    assert path["qkv7"] == ["small", "wg", "wg", "wg", "wg", "cublas", "cublas"]  # 16.5M; 144-288 blocks: 2 waves
-    assert path["down7"] == ["small", "wg", "wg", "wg", "wg", "wg", "cublas"]  # N < 7168: only the cost model
-    assert path["up7"] == ["small", "wg", "wg", "wg", "wg", "wg", "wg"]
+    assert path["o7"] == ["small", "wg", "wg", "cublas", "cublas", "cublas", "wg", "cublas"]
+    # 16.5M; 108 blocks of 128 rows at 320 rows: one wave, 144-288 at 512-1024: two
+    assert path["qkv7"] == ["small", "wg", "wg", "wg", "wg", "wg", "cublas", "cublas"]
+    assert path["down7"] == ["small", "wg", "wg", "wg", "wg", "cublas", "wg", "cublas"]  # N < 7168: the cost model
+    assert path["up7"] == ["small", "wg", "wg", "wg", "wg", "wg", "wg", "wg"]
+    assert path["down14"][5] == "wg"  # 120 blocks of 128 rows: one wave (86 against 130 us with cuBLAS)
     assert gemm.kernel_path(1025, *shapes["up7"]) == "cublas"
     assert gemm.kernel_path(512, 7168, 5120) == "wg" and gemm.kernel_path(513, 7168, 5120) == "cublas"
     assert gemm.kernel_path(2048, *shapes["up32"]) == "wg" and gemm.kernel_path(2049, *shapes["up32"]) == "cublas"
@@ -268,10 +270,11 @@ def test_wgmma_path_and_launch_rule(monkeypatch):
         ("up7", 128): (128, 3, 132, 296, False),
         ("down7", 256): (256, 3, 132, 28, False),  # 28 x 74 units: one tile, stream K
         ("up7", 512): (256, 3, 296, 296, False),
-        ("up7", 384): (128, 3, 296, 296, False),
-        ("up7", 385): (256, 3, 296, 296, False),  # past 384 rows: row tiles of 256
+        ("up7", 384): (128, 3, 296, 296, False),  # 888 blocks of 128 rows: 7 waves, 592 of 256: 5
+        ("up7", 385): (256, 3, 296, 296, False),  # 1184 of 128: 9 waves
         ("up7", 1024): (256, 3, 296, 296, False),
         ("qkv14", 512): (256, 3, 56, 56, False),  # 2 x 56 blocks: one wave either way, 256-row tiles
+        ("qkv14", 300): (256, 3, 56, 56, False),  # 2 x 56 blocks of 256 rows: one wave, 3 x 56 of 128: two
         ("qkv72", 512): (128, 3, 80, 80, False),  # 2 x 80 blocks of 256 rows: two waves, 4 x 80 of 128: three
         ("qkv72", 768): (256, 3, 80, 80, False),  # 3 x 80 of 256: two waves, 6 x 80 of 128: four
         ("down7", 512): (128, 3, 28, 28, False),  # 4 x 28 blocks of 128 rows: one wave

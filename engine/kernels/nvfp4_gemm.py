@@ -110,8 +110,9 @@ WG_M_MAX = int(os.environ.get("QERL_NVFP4_WG_MAX", "512"))
 # Layers of at least _WG_WIDEST_N outputs (the gate/up projections: hundreds of columns, so several
 # row tiles of whole columns make many even waves) take the warp-specialized kernel up to
 # _WG_WIDEST_M_MAX rows, the largest of them (_WG_LARGEST weights: 32B's and 72B's) up to
-# _WG_LARGEST_M_MAX; past _WS_BIG_TILE_FROM rows the kernel takes row tiles of 256 (one block per
-# SM) rather than 128. benchmarks/RESULTS.md, twenty-sixth round, H200, us (benchmarks/gemm_large.py,
+# _WG_LARGEST_M_MAX; past 256 rows the kernel takes row tiles of 256 (one block per
+# SM) or 128, whichever needs fewer waves' worth of rows (_ws_tiles; the gate/up layers' many columns
+# make that 128 up to 384 rows, 256 mostly beyond). benchmarks/RESULTS.md, twenty-sixth round, H200, us (benchmarks/gemm_large.py,
 # with the row tiles' stores through shared memory): at 512 rows 256-row tiles against 128-row ones
 # 7B gate_up 200.6 / 213.2, 32B gate_up 438 / 500, 72B gate_up 702 / 743, 14B q/k/v 61.6 / 71.3; at
 # 1024 rows against dequantize + cuBLAS 7B gate_up 391 / 444, 32B 856 / 1025, 72B 1347 / 1590; at
@@ -120,18 +121,19 @@ WG_M_MAX = int(os.environ.get("QERL_NVFP4_WG_MAX", "512"))
 # rows: 168 blocks on 132 SMs, 115 against 88 us).
 _WG_WIDEST_N, _WG_WIDEST_M_MAX = 16384, 1024
 _WG_LARGEST, _WG_LARGEST_M_MAX = 250e6, 2048
-_WS_BIG_TILE_FROM = 384
 # 256-row tiles' throughput over 128-row ones, at 1024 rows 1.10-1.28 (gemm_large.py, same section)
 _WS_TILE_128_COST = 1.15
-# Past _WS_BIG_TILE_FROM rows, up to _WS_MODEL_M_MAX, the narrower layers (q/k/v, o, down) take the
+# Past 256 rows, up to _WS_MODEL_M_MAX, the narrower layers (q/k/v, o, down) take the
 # warp-specialized kernel where a cost model of both paths (_ws_beats_cublas) gives it the shorter
 # time, fitted to benchmarks/gemm_large.py on the H200 (twenty-seventh round, benchmarks/RESULTS.md:
-# 12 layers of 7B-72B at 448-2048 rows): the kernel takes its waves' worth of rows (_ws_tiles) times
+# 12 layers of 7B-72B at 288-2048 rows): the kernel takes its waves' worth of rows (_ws_tiles) times
 # 128 columns times K multiply-adds at _WS_SM_FLOPS per multiprocessor, plus staging the activations
 # (read and written at _STAGE_BYTES_S); dequantize + cuBLAS takes 2 M N K at _BF16_FLOPS plus the
 # dequantizing pass (2.5625 bytes a weight at _DEQUANT_BYTES_S) plus _CUBLAS_FIXED_US. Where a tile's
-# wave is well filled it wins at up to ~1024 rows: 72B q/k/v at 768 rows 197 against 235 us, 14B o
-# 63.5 against 73.3, 7B down at 512 rows 125.5 against 137.3; past that the dequantizing pass is
+# wave is well filled it wins at up to ~1024 rows: 14B down at 320 rows 86 against 130 us, 32B o 34
+# against 52, 72B q/k/v at 768 rows 197 against 235, 7B down at 512 rows 125.5 against 137.3 (the
+# 14B / 32B q/k/v and 72B layers took the kernel already; at 257-384 rows in 256-row tiles where those
+# fill one wave: 14B q/k/v 56 against 62 in 128-row tiles, 72B o 88 against 98); past that the dequantizing pass is
 # a small share of cuBLAS's time, and the model's misses cost more (72B down at 1536 rows 1170
 # against 1118).
 _WS_MODEL_M_MAX = 1024
@@ -142,7 +144,7 @@ WG_PREFETCH_GROUPS = int(os.environ.get("QERL_NVFP4_WG_PREFETCH", "2"))
 # layer has at least _WG_WHOLE_WAVES waves of column blocks.
 WG_FILL = float(os.environ.get("QERL_NVFP4_WG_FILL", "1"))
 _WG_WHOLE_WAVES = 4
-# rows per block past 256 rows (wg = 3: up to _WS_BIG_TILE_FROM), and from 193 on wide layers (_WG_WHOLE_FILL)
+# rows per block past 256 rows (wg = 3: unless _ws_tiles takes 256), and from 193 on wide layers (_WG_WHOLE_FILL)
 _WG_TILE_ROWS = 128
 # From 128-row blocks a layer whose columns fill between this share of one wave of resident blocks
 # and the whole wave takes one block per column (no stream-K partial sums); at 193-256 rows such
@@ -265,7 +267,7 @@ def kernel_path(m: int, n: int, k: int, sms: int | None = None) -> str:
     measured with benchmarks/gemm_nvfp4.py --sweep-wg on H200): the small kernel up to
     SMALL_PATH_MAX rows, the wgmma kernels from there on, up to the more rows the larger the
     layer (to WG_M_MAX only where the layer is also wide, to _WG_WIDEST_M_MAX or _WG_LARGEST_M_MAX
-    on the widest); past _WS_BIG_TILE_FROM rows on narrower layers where the cost model says it is
+    on the widest); past 256 rows on narrower layers where the cost model says it is
     faster (_ws_beats_cublas, on a GPU of ``sms`` multiprocessors: the current one's by default);
     dequantize + cuBLAS beyond."""
     if m <= SMALL_PATH_MAX:
@@ -276,16 +278,15 @@ def kernel_path(m: int, n: int, k: int, sms: int | None = None) -> str:
             (m <= (_WG_LARGEST_M_MAX if weights >= _WG_LARGEST else _WG_WIDEST_M_MAX) and weights >= 30e6 and
              n >= _WG_WIDEST_N):
         return "wg"
-    if _WS_BIG_TILE_FROM < m <= _WS_MODEL_M_MAX and n < _WG_WIDEST_N and _ws_beats_cublas(m, n, k, sms):
+    if WS_BN[-1] < m <= _WS_MODEL_M_MAX and n < _WG_WIDEST_N and _ws_beats_cublas(m, n, k, sms):
         return "wg"
     return "cublas"
 
 
 def _ws_tiles(m: int, columns: int, sms: int) -> tuple[int, float]:
-    """(rows per row tile, waves' worth of rows) of the warp-specialized kernel past
-    _WS_BIG_TILE_FROM rows: of 256- and 128-row tiles the one that takes fewer waves of blocks
-    (one block per multiprocessor) times its rows, the 128-row tiles' counted _WS_TILE_128_COST
-    times for their lower throughput."""
+    """(rows per row tile, waves' worth of rows) of the warp-specialized kernel past 256 rows: of
+    256- and 128-row tiles the one that takes fewer waves of blocks (one block per multiprocessor)
+    times its rows, the 128-row tiles' counted _WS_TILE_128_COST times for their lower throughput."""
     def rows(bn: int) -> int:
         return -(-(-(-m // bn) * columns) // sms) * bn
 
@@ -405,8 +406,8 @@ def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = N
     Unless wg is given: the warp-specialized kernel (wg = 3) above 32 rows, and at 17-32 rows on
     layers of at least _WS_MIN_WEIGHTS weights (every M above 16 with QERL_NVFP4_WG_WS=1), with
     columns of 256 weight rows (wg = 4) up to 64 rows on wide layers (_WS2_MIN_N, _WS2_MIN_K); in one
-    row tile of the fewest rows that hold M up to 256 rows, else in row tiles of 128 (mostly 256
-    past _WS_BIG_TILE_FROM rows: _ws_row_tile); layers of few column blocks x K groups (_WS_SHORT_UNITS) take from 128
+    row tile of the fewest rows that hold M up to 256 rows, else in row tiles of 128 or 256
+    (_ws_row_tile); layers of few column blocks x K groups (_WS_SHORT_UNITS) take from 128
     rows tiles of half the rows.
     Otherwise gemm_wg_kernel: rows past 256 go to row tiles of 128 (two blocks per SM where
     256-row blocks fit one), and so do 193-256 rows on layers of at least _WG_WHOLE_FILL of a wave
@@ -459,12 +460,9 @@ def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = N
 
 
 def _ws_row_tile(m: int, p: PreparedNVFP4, device: torch.device) -> int:
-    """Rows per row tile of the warp-specialized kernel past 256 rows: 128 up to _WS_BIG_TILE_FROM
-    rows, then 256 unless 128-row tiles take fewer waves' worth of rows (_ws_tiles): 72B q/k/v at
-    512 rows (80 columns) took 147.5 us in 128-row tiles against 174.5 in 256-row ones (160 blocks
-    on 132 SMs)."""
-    if m <= _WS_BIG_TILE_FROM:
-        return _WG_TILE_ROWS
+    """Rows per row tile of the warp-specialized kernel past 256 rows: 256 unless 128-row tiles take
+    fewer waves' worth of rows (_ws_tiles): 72B q/k/v at 512 rows (80 columns) took 147.5 us in
+    128-row tiles against 174.5 in 256-row ones (160 blocks on 132 SMs)."""
     return _ws_tiles(m, _wg_columns(p, 3), sm_count(device))[0]
 
 
