@@ -253,7 +253,7 @@ def test_wgmma_path_and_launch_rule(monkeypatch):
     assert gemm.kernel_path(512, 7168, 5120) == "wg" and gemm.kernel_path(513, 7168, 5120) == "cublas"
     assert gemm.kernel_path(2048, *shapes["up32"]) == "wg" and gemm.kernel_path(2049, *shapes["up32"]) == "cublas"
     assert gemm.kernel_path(1025, *shapes["up14"]) == "cublas"
-    # the cost model past 384 rows (narrower layers): one well-filled wave of 256-row tiles wins,
+    # the cost model past 256 rows (narrower layers): one well-filled wave of 256-row tiles wins,
     # two waves of which the second is nearly empty lose, and past _WS_MODEL_M_MAX rows cuBLAS
     assert gemm.kernel_path(768, *shapes["qkv72"]) == "wg" and gemm.kernel_path(768, *shapes["down14"]) == "wg"
     assert gemm.kernel_path(1024, *shapes["down14"]) == "cublas"  # 160 blocks: 1.2 waves

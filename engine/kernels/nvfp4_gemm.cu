@@ -1334,7 +1334,8 @@ __device__ __forceinline__ uint32_t bf16x2_of(float lo, float hi) {
 // g + 8q, activation row 8i + 2t + e) are an 8x8 matrix in the MMA's fragment order, weight rows
 // along its rows, so a transposing stmatrix writes them as eight 16-byte pieces of tile rows; one
 // instruction takes four (matrix m: rows 8 (i + m / 2) .., q = m % 2; lanes 8m .. 8m + 7 give its
-// rows' addresses), 16 bf16x2 conversions and 4 instructions where 2-byte stores took 16.
+// rows' addresses): a thread's 32 accumulators take 16 bf16x2 conversions and 4 stmatrix where
+// they took 32 conversions and 32 two-byte stores.
 // Needs N and ldy multiples of 8 and y 16-byte aligned (ws_tile_stores).
 template <int BN, int kWidth, int H>
 __device__ __forceinline__ void ws_store_tile(const float (&acc)[H][BN / 2], const WgSegment& seg, int wl, int tid,

@@ -5,7 +5,7 @@ crossovers measured on H200 and H100):
 - "small" (decode, M up to SMALL_PATH_MAX): mma.sync with the weights dequantized in registers as
   the MMA's A operand (see nvfp4_gemm.cu); a tile's K range split over warps of a block and over
   blocks, and tiles per warp, by a rule measured per layer kind (small_config).
-- "wg" (from SMALL_PATH_MAX + 1 rows up to 32-2048, the larger the layer the further; at 385-1024
+- "wg" (from SMALL_PATH_MAX + 1 rows up to 32-2048, the larger the layer the further; at 257-1024
   rows on the narrower layers where a cost model of both paths says it is faster): the same
   dequantization feeding warpgroup MMAs (wgmma) whose B operand, the activations, streams through
   a shared-memory ring (from wg_permuted_rows() rows per block out of a copy of them in the MMA's
@@ -110,15 +110,16 @@ WG_M_MAX = int(os.environ.get("QERL_NVFP4_WG_MAX", "512"))
 # Layers of at least _WG_WIDEST_N outputs (the gate/up projections: hundreds of columns, so several
 # row tiles of whole columns make many even waves) take the warp-specialized kernel up to
 # _WG_WIDEST_M_MAX rows, the largest of them (_WG_LARGEST weights: 32B's and 72B's) up to
-# _WG_LARGEST_M_MAX; past 256 rows the kernel takes row tiles of 256 (one block per
-# SM) or 128, whichever needs fewer waves' worth of rows (_ws_tiles; the gate/up layers' many columns
-# make that 128 up to 384 rows, 256 mostly beyond). benchmarks/RESULTS.md, twenty-sixth round, H200, us (benchmarks/gemm_large.py,
-# with the row tiles' stores through shared memory): at 512 rows 256-row tiles against 128-row ones
-# 7B gate_up 200.6 / 213.2, 32B gate_up 438 / 500, 72B gate_up 702 / 743, 14B q/k/v 61.6 / 71.3; at
-# 1024 rows against dequantize + cuBLAS 7B gate_up 391 / 444, 32B 856 / 1025, 72B 1347 / 1590; at
-# 2048 32B 1716 / 1823, 72B 2760 / 2978, but 7B 940 / 844 and 14B 949 / 929 (shorter rows: the
-# per-tile start and end weigh more). Narrower layers lose to wave quantization (14B q/k/v at 600
-# rows: 168 blocks on 132 SMs, 115 against 88 us).
+# _WG_LARGEST_M_MAX; past 256 rows the kernel takes row tiles of 256 (one block per SM) or 128,
+# whichever needs fewer waves' worth of rows (_ws_tiles; the gate/up layers' many columns make that
+# 128 up to 384 rows, 256 mostly beyond). benchmarks/RESULTS.md, twenty-sixth round, H200, us
+# (benchmarks/gemm_large.py, with the row tiles' stores through shared memory): at 512 rows
+# 256-row tiles against 128-row ones 7B gate_up 200.6 / 213.2, 32B gate_up 438 / 500, 72B gate_up
+# 702 / 743, 14B q/k/v 61.6 / 71.3; at 1024 rows against dequantize + cuBLAS 7B gate_up 391 / 444,
+# 32B 856 / 1025, 72B 1347 / 1590; at 2048 32B 1716 / 1823, 72B 2760 / 2978, but 7B 940 / 844 and
+# 14B 949 / 929 (shorter rows: the per-tile start and end weigh more). Narrower layers lose to wave
+# quantization where their row tiles leave a wave part-filled (14B q/k/v at 600 rows: 168 blocks on
+# 132 SMs, 115 against 88 us; _WS_MODEL_M_MAX).
 _WG_WIDEST_N, _WG_WIDEST_M_MAX = 16384, 1024
 _WG_LARGEST, _WG_LARGEST_M_MAX = 250e6, 2048
 # 256-row tiles' throughput over 128-row ones, at 1024 rows 1.10-1.28 (gemm_large.py, same section)
@@ -132,10 +133,10 @@ _WS_TILE_128_COST = 1.15
 # dequantizing pass (2.5625 bytes a weight at _DEQUANT_BYTES_S) plus _CUBLAS_FIXED_US. Where a tile's
 # wave is well filled it wins at up to ~1024 rows: 14B down at 320 rows 86 against 130 us, 32B o 34
 # against 52, 72B q/k/v at 768 rows 197 against 235, 7B down at 512 rows 125.5 against 137.3 (the
-# 14B / 32B q/k/v and 72B layers took the kernel already; at 257-384 rows in 256-row tiles where those
-# fill one wave: 14B q/k/v 56 against 62 in 128-row tiles, 72B o 88 against 98); past that the dequantizing pass is
-# a small share of cuBLAS's time, and the model's misses cost more (72B down at 1536 rows 1170
-# against 1118).
+# 14B / 32B q/k/v and 72B layers took the kernel already; at 257-384 rows now in 256-row tiles where
+# those fill one wave: 14B q/k/v 56 against 62 in 128-row tiles, 72B o 88 against 98); past that the
+# dequantizing pass is a small share of cuBLAS's time, and the model's misses cost more (72B down at
+# 1536 rows 1170 against 1118).
 _WS_MODEL_M_MAX = 1024
 _WS_SM_FLOPS, _STAGE_BYTES_S = 5.6e12, 3.0e12
 _BF16_FLOPS, _DEQUANT_BYTES_S, _CUBLAS_FIXED_US = 7.6e14, 3.4e12, 2.0
@@ -295,8 +296,8 @@ def _ws_tiles(m: int, columns: int, sms: int) -> tuple[int, float]:
 
 
 def _ws_beats_cublas(m: int, n: int, k: int, sms: int | None = None) -> bool:
-    """The cost model of _WS_MODEL_M_MAX: the warp-specialized kernel (row tiles of _ws_tiles) takes
-    less time than dequantize + cuBLAS for M rows of an [n, k] layer."""
+    """Whether the warp-specialized kernel (row tiles of _ws_tiles) takes less time than dequantize +
+    cuBLAS for M rows of an [n, k] layer, by the cost model described at _WS_MODEL_M_MAX."""
     if sms is None:
         sms = sm_count(torch.device("cuda")) if torch.cuda.is_available() else 132
     _, rows = _ws_tiles(m, -(-n // (16 * _WG_TILES[3])), sms)
