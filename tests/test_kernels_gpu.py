@@ -156,6 +156,31 @@ def test_row_tiles_store_through_shared_memory():
                 assert wide[:, n:].isnan().all()
 
 
+def test_stream_k_across_row_tiles():
+    """Several row tiles of the warp-specialized kernel in one run of stream K (their columns laid end
+    to end, a block's run crossing from one row tile into the next, partial sums of min(M, 256) x 128
+    floats a slot): within bf16 rounding of the exact product for any block count, rows past M in
+    the last tile, the tickets back at zero; and the same bits whatever the launch for whole columns."""
+    for n, k in ((1000, 1008), (4100, 336), (5120, 13824)):
+        p, wref, gscale = make_layer(n, k, seed=n + 1)
+        columns = gemm._wg_columns(p, 3)
+        for m in (300, 513, 1000):
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            ref = reference(x, wref, gscale)
+            for bn in (128, 256):
+                tiles = -(-m // bn)
+                for blocks in (1, 7, 132, columns * tiles - 1, columns * tiles * 3):
+                    blocks = min(blocks, columns * tiles * p.kg)
+                    if blocks == columns:
+                        continue
+                    cfg = gemm.wg_config(m, p, x.device, bn, 3, blocks)
+                    assert cfg.shared and cfg.blocks == blocks
+                    ws = torch.full((gemm.wg_workspace(m, cfg, p.kg),), float("nan"), device="cuda")
+                    checked_launch(p, x, ref, f"{n}x{k} M={m} n{bn} {blocks} blocks",
+                                   lambda out, _: gemm.gemm_wg_into(x, p, out, bn=bn, wg=3, blocks=blocks,
+                                                                    workspace=ws))
+
+
 @pytest.mark.parametrize("tnw", [1, 2, 4])
 @pytest.mark.parametrize("splits", [1, 3, 1000])
 def test_every_kernel_variant(tnw, splits):

@@ -246,7 +246,7 @@ def test_wgmma_path_and_launch_rule(monkeypatch):
     assert path["o7"] == ["small", "wg", "wg", "cublas", "cublas", "cublas", "wg", "cublas"]
     # 16.5M; 108 blocks of 128 rows at 320 rows: one wave, 144-288 at 512-1024: two
     assert path["qkv7"] == ["small", "wg", "wg", "wg", "wg", "wg", "cublas", "cublas"]
-    assert path["down7"] == ["small", "wg", "wg", "wg", "wg", "cublas", "wg", "cublas"]  # N < 7168: the cost model
+    assert path["down7"] == ["small", "wg", "wg", "wg", "wg", "wg", "wg", "cublas"]  # N < 7168: the cost model
     assert path["up7"] == ["small", "wg", "wg", "wg", "wg", "wg", "wg", "wg"]
     assert path["down14"][5] == "wg"  # 120 blocks of 128 rows: one wave (86 against 130 us with cuBLAS)
     assert gemm.kernel_path(1025, *shapes["up7"]) == "cublas"
@@ -278,6 +278,9 @@ def test_wgmma_path_and_launch_rule(monkeypatch):
         ("qkv72", 512): (128, 3, 80, 80, False),  # 2 x 80 blocks of 256 rows: two waves, 4 x 80 of 128: three
         ("qkv72", 768): (256, 3, 80, 80, False),  # 3 x 80 of 256: two waves, 6 x 80 of 128: four
         ("down7", 512): (128, 3, 28, 28, False),  # 4 x 28 blocks of 128 rows: one wave
+        # 2 x 40 blocks of 256 rows, 0.6 wave: one wave of blocks shares them by stream K across the row tiles
+        ("down14", 512): (256, 3, 132, 40, False),
+        ("down14", 768): (256, 3, 40, 40, False),  # 3 x 40: 0.91 wave, whole columns
         ("up14", 17): (32, 4, 108, 108, False),  # N >= 16384, K >= 4096: columns of 16 tiles, here 0.82 wave:
         ("up14", 64): (64, 4, 108, 108, False),  # whole columns, up to 64 rows
         ("up14", 65): (128, 3, 132, 216, False),

@@ -853,14 +853,18 @@ __device__ __forceinline__ int sk_owner(long long u, long long units, int blocks
 // A block's stream-K segment that starts at unit u (units are the columns' K groups laid end to
 // end, the block's run ends at u_end): column col, groups [g0, g1); whole: the column's full K range.
 struct WgSegment {
-  int col, g0, g1;
+  // gcol: the launch's column (row tile z x ncols + the layer's column block col; units are the gcols'
+  // K groups: several row tiles in one run of stream K in the warp-specialized kernel)
+  int gcol, z, col, g0, g1;
   bool whole;
   int tile;     // the warp's weight tile (warp w of the block's kTiles)
   bool active;  // the warp's warpgroup has weight rows in the layer (uniform per warpgroup)
   int w, ntiles;  // the warp, the layer's weight tiles
-  __device__ WgSegment(long long u, long long u_end, int kg, int kTiles, int w, int ntiles)
-      : col((int)(u / kg)),
-        g0((int)(u - (long long)col * kg)),
+  __device__ WgSegment(long long u, long long u_end, int kg, int kTiles, int w, int ntiles, int ncols = 1 << 30)
+      : gcol((int)(u / kg)),
+        z(gcol / ncols),
+        col(gcol - z * ncols),
+        g0((int)(u - (long long)gcol * kg)),
         g1((int)min((long long)kg, g0 + (u_end - u))),
         whole(g0 == 0 && g1 == kg),
         tile(col * kTiles + w),
@@ -895,7 +899,7 @@ constexpr int kRegisterSumsRows = 64;
 template <int BN, int kWidth, int kThreads, int H>
 __device__ __forceinline__ void sk_store_partial(const float (&acc)[H][BN / 2], const WgSegment& seg, int wl,
                                                  int tid, int lane, int b, int M, float* ws) {
-  const int g = lane >> 2, t = lane & 3, col = seg.col;
+  const int g = lane >> 2, t = lane & 3, col = seg.gcol;
   if constexpr (BN <= kRegisterSumsRows) {
     constexpr size_t kSlot4 = (size_t)(H * BN / 8) * kThreads;
     float4* part = reinterpret_cast<float4*>(ws) + (size_t)(b + col) * kSlot4 + tid;
@@ -906,7 +910,8 @@ __device__ __forceinline__ void sk_store_partial(const float (&acc)[H][BN / 2], 
         __stcg(part + (h * (BN / 8) + i) * kThreads,
                make_float4(acc[h][4 * i], acc[h][4 * i + 1], acc[h][4 * i + 2], acc[h][4 * i + 3]));
   } else {
-    const size_t slot = (size_t)M * kWidth;
+    const size_t slot = (size_t)min(M, BN) * kWidth;
+    const int rows = M - seg.z * BN;  // of the row tile
 #pragma unroll
     for (int h = 0; h < H; ++h) {
       if (!seg.active_half(h)) continue;
@@ -916,7 +921,7 @@ __device__ __forceinline__ void sk_store_partial(const float (&acc)[H][BN / 2], 
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int tk = 8 * i + 2 * t + (e & 1);
-          if (tk < M) part[(size_t)tk * kWidth + 8 * (e >> 1)] = acc[h][4 * i + e];
+          if (tk < rows) part[(size_t)tk * kWidth + 8 * (e >> 1)] = acc[h][4 * i + e];
         }
     }
   }
@@ -926,11 +931,11 @@ __device__ __forceinline__ void sk_store_partial(const float (&acc)[H][BN / 2], 
 // segment order, as sk_store_partial<BN, kWidth, kThreads, H> wrote them) and write its outputs,
 // float4 of R positions in JB slots in flight at a time.
 template <int BN, int kWidth, int kThreads, int H, int R, int JB>
-__device__ __forceinline__ void sk_add_slots(int hid, int nh, int col, int b0, int nseg, int M, int N, int m0,
-                                             int ldy, float alpha, uint16_t* y, const float* ws) {
+__device__ __forceinline__ void sk_add_slots(int hid, int nh, int gcol, int col, int b0, int nseg, int M, int N,
+                                             int m0, int ldy, float alpha, uint16_t* y, const float* ws) {
   constexpr bool kRegs = BN <= kRegisterSumsRows;
-  const int n4 = kRegs ? (H * BN / 8) * kThreads : M * kWidth / 4;  // float4 of a slot
-  const float4* s0 = reinterpret_cast<const float4*>(ws) + (size_t)(b0 + col) * n4;
+  const int n4 = kRegs ? (H * BN / 8) * kThreads : min(M, BN) * kWidth / 4;  // float4 of a slot
+  const float4* s0 = reinterpret_cast<const float4*>(ws) + (size_t)(b0 + gcol) * n4;
   for (int i0 = hid; i0 < n4; i0 += R * nh) {
     float4 v[R];
 #pragma unroll
@@ -972,7 +977,8 @@ __device__ __forceinline__ void sk_add_slots(int hid, int nh, int col, int b0, i
           if (tk < M && nn < N) y[(size_t)tk * ldy + nn] = to_bf16(e4[e] * alpha);
         }
       } else {
-        const int tk = 4 * i / kWidth, nn = col * kWidth + 4 * i % kWidth;
+        const int tk = m0 + 4 * i / kWidth, nn = col * kWidth + 4 * i % kWidth;
+        if (tk >= M) continue;
         uint16_t* yr = y + (size_t)tk * ldy + nn;
 #pragma unroll
         for (int e = 0; e < 4; ++e)
@@ -989,7 +995,7 @@ __device__ __forceinline__ void wg_segment_out_h(float (&acc)[H][BN / 2], const 
                                                  int tid, int lane, int b, int blocks, long long units, int kg, int M,
                                                  int N, int m0, int ldy, float alpha, uint16_t* y, float* ws,
                                                  int* counters, int& is_last) {
-  const int g = lane >> 2, t = lane & 3, col = seg.col;
+  const int g = lane >> 2, t = lane & 3, col = seg.gcol;  // the tickets' and slots' column
   auto sync = [] {
     if constexpr (kNamedBarrier) asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory");
     else __syncthreads();
@@ -1066,7 +1072,8 @@ __device__ __forceinline__ void wg_segment_out_h(float (&acc)[H][BN / 2], const 
     sync();
     if (is_last) {
       __threadfence();
-      sk_add_slots<BN, kWidth, kThreads, H, 4, 2>(tid, kThreads, col, b0, nseg, M, N, m0, ldy, alpha, y, ws);
+      sk_add_slots<BN, kWidth, kThreads, H, 4, 2>(tid, kThreads, col, seg.col, b0, nseg, M, N, m0, ldy, alpha, y,
+                                                  ws);
       if (tid == 0) counters[col] = 0;
     }
   }
@@ -1423,9 +1430,11 @@ __global__ void __launch_bounds__(384, 1)
   __shared__ int is_last, help_last;
   // the warp index as a value the compiler knows to be warp-uniform (no divergent wgmma path)
   const int warp = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 5, 0), lane = threadIdx.x & 31;
-  const int m0 = blockIdx.z * BN;
+  // the row tiles' columns laid end to end (WgSegment::gcol): several row tiles make one run of whole
+  // columns a block, or of stream K (the copying kernel takes one row tile)
+  const int mt = (M + BN - 1) / BN;
   const int blocks = gridDim.x, b = blockIdx.x;
-  const long long units = (long long)ncols * kg;
+  const long long units = (long long)ncols * mt * kg;
   const long long u_beg = b * units / blocks, u_end = (b + 1) * units / blocks;
   const WsRun run(u_beg, u_end, kg, (long long)kg * (BN <= 32 ? 1 : 2));
   const int total = (int)(u_end - u_beg) * 4;  // chunks of this block
@@ -1466,20 +1475,20 @@ __global__ void __launch_bounds__(384, 1)
         int p = 0;
         for (int piece = 0; piece < 2; ++piece)
           for (long long u = run.piece_beg(piece), pe = run.piece_end(piece); u < pe;) {
-            const WgSegment seg(u, pe, kg, kTiles, 0, ntiles);
+            const WgSegment seg(u, pe, kg, kTiles, 0, ntiles, ncols);
             const long long start = u;
             u += seg.g1 - seg.g0;
             if (seg.whole || !run.helped(piece, start, u)) continue;  // the compute warps' own
             mbar_wait(part0 + 8 * p, 0);  // (acquire: the compute threads' stores, released by their arrivals)
             ++p;
-            const long long c0 = (long long)seg.col * kg;
+            const long long c0 = (long long)seg.gcol * kg;
             const int b0 = sk_owner(c0, units, blocks), nseg = sk_owner(c0 + kg - 1, units, blocks) - b0 + 1;
-            if (hid == 0) help_last = ticket_acq_rel(&counters[seg.col]) == nseg - 1;
+            if (hid == 0) help_last = ticket_acq_rel(&counters[seg.gcol]) == nseg - 1;
             asm volatile("bar.sync 2, 96;" ::: "memory");
             if (help_last) {
-              sk_add_slots<BN, kWidth, 256, H, 2, 2>(hid, 96, seg.col, b0, nseg, M, N, m0, ldy, __ldg(alpha_p), y,
-                                                     ws);
-              if (hid == 0) counters[seg.col] = 0;
+              sk_add_slots<BN, kWidth, 256, H, 2, 2>(hid, 96, seg.gcol, seg.col, b0, nseg, M, N, seg.z * BN, ldy,
+                                                     __ldg(alpha_p), y, ws);
+              if (hid == 0) counters[seg.gcol] = 0;
             }
             asm volatile("bar.sync 2, 96;" ::: "memory");  // help_last is read before the next ticket
           }
@@ -1493,6 +1502,8 @@ __global__ void __launch_bounds__(384, 1)
         // steps lie 32 bytes apart modulo 128, rows 16). Rows past M are left as they are (they only
         // meet outputs past M); inputs past K are zeros.
         constexpr int kG = (BN / 4 + 2) / 3, R = T::kRawSlots;  // row groups per copier warp
+        // the block's row tile (a copying launch of several row tiles gives every block a whole column)
+        const int m0 = (int)(u_beg / kg / ncols) * BN;
         const int t = lane & 7, rows = min(BN, M - m0);
         const int rb = 4 * (warp - 1) + (lane >> 3);
         const uint32_t off = 2 * (t & 1) * T::kStep + (t >> 1) * 4;
@@ -1548,14 +1559,16 @@ __global__ void __launch_bounds__(384, 1)
       if (lane != 0) return;
       const uint32_t bar = full0 + 8 * s, dst = stage0 + s * T::kStageBytes + T::kAct;
       mbar_expect_tx(bar, (copies ? 0 : T::kAct) + T::kW + (q.c == 0 ? kTiles * 256 : 0));
-      tma_copy_2d(dst, &wmap, q.g * 576 + q.c * 128, q.col * kTiles, bar);
-      if (q.c == 0) tma_copy_2d(dst + T::kW, &smap, q.g * 576 + 512, q.col * kTiles, bar);
+      const int col = q.col % ncols;  // (q.col: the gcol)
+      tma_copy_2d(dst, &wmap, q.g * 576 + q.c * 128, col * kTiles, bar);
+      if (q.c == 0) tma_copy_2d(dst + T::kW, &smap, q.g * 576 + 512, col * kTiles, bar);
     };
-    // otherwise: the chunk's activations staged by stage_x_kernel, one copy
-    const char* xz = reinterpret_cast<const char*>(x) + (size_t)blockIdx.z * kg * 4 * T::kAct;
+    // otherwise: the chunk's activations staged by stage_x_kernel (row tile z: kg * 4 chunks), one copy
     auto issue_x = [&](const Cursor& q, int s) {
       if (!copies && lane == 0)
-        bulk_copy(stage0 + s * T::kStageBytes, xz + (size_t)(q.g * 4 + q.c) * T::kAct, T::kAct, full0 + 8 * s);
+        bulk_copy(stage0 + s * T::kStageBytes,
+                  reinterpret_cast<const char*>(x) + ((size_t)(q.col / ncols) * kg * 4 + q.g * 4 + q.c) * T::kAct,
+                  T::kAct, full0 + 8 * s);
     };
     const int pre = min(S, total);
     Cursor qw = start, qx = start;
@@ -1581,8 +1594,8 @@ __global__ void __launch_bounds__(384, 1)
   int p = 0;                   // shared segments so far
   for (int piece = 0; piece < 2; ++piece)
   for (long long u = run.piece_beg(piece), pe = run.piece_end(piece); u < pe;) {
-    const WgSegment seg(u, pe, kg, kTiles, cw, ntiles);
-    const int g0 = seg.g0, g1 = seg.g1;
+    const WgSegment seg(u, pe, kg, kTiles, cw, ntiles, ncols);
+    const int g0 = seg.g0, g1 = seg.g1, m0 = seg.z * BN;
     const bool active = seg.active;
 
     // half h of the warpgroup's rows: the warp's tile cw + 8 h (H = 2: columns of 16 tiles)
@@ -1663,8 +1676,8 @@ __global__ void __launch_bounds__(384, 1)
     if (helpers && !seg.whole && run.helped(piece, u, u + (g1 - g0))) {  // the helpers add them
       sk_store_partial<BN, kWidth, 256, H>(acc, seg, cw, ct, lane, b, M, ws);
       mbar_arrive(part0 + 8 * p++);
-    } else if (gridDim.z > 1 && ws_tile_stores(y, N, ldy)) {
-      // several row tiles: every block is one whole column, its only segment
+    } else if (mt > 1 && blocks * (long long)kg == units && ws_tile_stores(y, N, ldy)) {
+      // several row tiles, every block one whole column, its only segment
       ws_store_tile<BN, kWidth, H>(acc, seg, cw, ct, lane, M, N, m0, ldy, alpha, y, ws_smem + T::kHead);
     } else {
       // 16 loads in flight where the block copies its activations (7B q/k/v and o at 64 rows: 5-7% less
@@ -1957,7 +1970,10 @@ int qerl_nvfp4_gemm_small(int mt, int tnw, int wpt, const void* wq, const void* 
 // one block per column block (ncols, whole columns) to ncols * kg (one group each); other than
 // ncols it shares columns between blocks (stream K), which needs the workspace, (blocks + ncols)
 // slots of bn x 64 wg floats (128 for wg = 3, 256 for wg = 4), and a single row tile. Rows past bn
-// go to further blocks along z.
+// go to further blocks along z; with wg = 3 and 4 the row tiles' columns are laid end to end
+// instead (ncols x row tiles of them): ncols blocks then mean whole columns (one block each), any
+// other count stream K across them, with (blocks + ncols x row tiles) slots of min(M, bn) x 128
+// floats and as many counters.
 // From kPermutedRows rows per block xp (bf16, mtiles * bn rows of kg * 256) takes the permuted
 // activations, written by a kernel of its own launched first; with wg = 3 and 4 always as stage
 // images (mtiles x 4 kg x qerl_nvfp4_ws_stage_bytes(bn) bytes), unless `direct` (wg = 3 below
@@ -1970,8 +1986,10 @@ int qerl_nvfp4_gemm_wg(int bn, int wg, const void* wq, const void* x, void* y, v
   const bool ws_kernel = wg >= 3;  // gemm_ws_kernel
   const int per_col = wg == 4 ? 16 : 4 * (wg == 3 ? 2 : wg);  // weight tiles per column block
   int ncols = (ntiles + per_col - 1) / per_col;
-  if (v.fn == nullptr || blocks < 1 || (long long)blocks > (long long)ncols * kg ||
-      (blocks != ncols && (mtiles > 1 || ws == nullptr)) || (direct && (wg != 3 || bn >= kPermutedRows)) ||
+  // gemm_ws_kernel lays the row tiles' columns end to end: stream K may run across row tiles
+  const long long units = (long long)ncols * kg * (ws_kernel ? mtiles : 1);
+  if (v.fn == nullptr || blocks < 1 || blocks > units || (blocks != ncols && (ws == nullptr ||
+      (mtiles > 1 && !ws_kernel))) || (direct && (wg != 3 || bn >= kPermutedRows || (mtiles > 1 && blocks != ncols))) ||
       ((bn >= kPermutedRows || (ws_kernel && !direct)) && xp == nullptr))
     return (int)cudaErrorInvalidValue;
   cudaError_t err = allow_smem(v);
@@ -1998,6 +2016,7 @@ int qerl_nvfp4_gemm_wg(int bn, int wg, const void* wq, const void* x, void* y, v
     ldx = kpad;
   }
   dim3 grid(blocks, 1, mtiles);
+  if (ws_kernel) grid = dim3(blocks == ncols ? ncols * mtiles : blocks);  // whole columns, or stream K
   CUtensorMap wmap, smap;  // wg = 3, 4: the weights' and the scales' boxes
   if (ws_kernel) {
     if ((err = weight_map(&wmap, wq, ntiles, kg, 128, per_col)) != cudaSuccess ||

@@ -138,6 +138,17 @@ _WS_TILE_128_COST = 1.15
 # dequantizing pass is a small share of cuBLAS's time, and the model's misses cost more (72B down at
 # 1536 rows 1170 against 1118).
 _WS_MODEL_M_MAX = 1024
+# Where the kernel's whole columns leave a wave part-filled, one wave of blocks may share them by
+# stream K across the row tiles (their columns laid end to end); the model counts that the blocks'
+# share of the rows plus the partial sums' slots, and it is taken only where it is faster than both
+# other paths by this factor: measured (H200, 256-row tiles, one wave) 14B down at 512 rows 139.9
+# us against 148.0 for dequantize + cuBLAS and 154.6 in whole columns, 32B down 259.4 against 299.6
+# and 316.8 (on another H200: 141.7 / 149.0 / 142.6 and 262.9 / 301.0 / 269.1), 7B down at 320-384
+# rows in 128-row tiles 101-109 against 118-124 with cuBLAS (whole columns 101-105), but 7B down at
+# 768 rows 207.9 against 176.7 and 14B o at 1024 114.0 against 88.9 (the slots' traffic and the
+# model's error, 5-16%, weigh more there).
+_WS_STREAM_MARGIN = 1.1
+_EXTRA_COUNTERS = 8
 _WS_SM_FLOPS, _STAGE_BYTES_S = 5.6e12, 3.0e12
 _BF16_FLOPS, _DEQUANT_BYTES_S, _CUBLAS_FIXED_US = 7.6e14, 3.4e12, 2.0
 WG_PREFETCH_GROUPS = int(os.environ.get("QERL_NVFP4_WG_PREFETCH", "2"))
@@ -186,9 +197,11 @@ def prepare_tensors(
 
 
 def split_counters(ntiles: int, device: torch.device) -> torch.Tensor:
-    """Zeroed split-K tickets for an operand of ``ntiles`` 16-row tiles (one per tile, the
-    smallest column block of any kernel: the small kernel with eight warps per tile)."""
-    return torch.zeros(ntiles, dtype=torch.int32, device=device)
+    """Zeroed split-K tickets for an operand of ``ntiles`` 16-row tiles: one per tile (the smallest
+    column block of any kernel: the small kernel with eight warps per tile) and _EXTRA_COUNTERS
+    more, so that stream K across up to 8 row tiles of the warp-specialized kernel's 8-tile columns
+    has one per column and row tile."""
+    return torch.zeros(ntiles + _EXTRA_COUNTERS, dtype=torch.int32, device=device)
 
 
 def small_workspace(m: int, p: PreparedNVFP4, splits: int) -> int:
@@ -295,15 +308,37 @@ def _ws_tiles(m: int, columns: int, sms: int) -> tuple[int, float]:
     return (WS_BN[-1], big) if big <= small else (_WG_TILE_ROWS, small)
 
 
-def _ws_beats_cublas(m: int, n: int, k: int, sms: int | None = None) -> bool:
-    """Whether the warp-specialized kernel (row tiles of _ws_tiles) takes less time than dequantize +
-    cuBLAS for M rows of an [n, k] layer, by the cost model described at _WS_MODEL_M_MAX."""
+def _ws_costs(m: int, n: int, k: int, sms: int | None) -> tuple[float, float, float]:
+    """The cost model of _WS_MODEL_M_MAX for M rows of an [n, k] layer, in seconds: the
+    warp-specialized kernel in row tiles of _ws_tiles with whole columns, the same in one wave of
+    stream K across the row tiles (their share of the rows, plus the partial sums' slots written and
+    read), and dequantize + cuBLAS."""
     if sms is None:
         sms = sm_count(torch.device("cuda")) if torch.cuda.is_available() else 132
-    _, rows = _ws_tiles(m, -(-n // (16 * _WG_TILES[3])), sms)
-    ws = rows * 128 * k * 2 / _WS_SM_FLOPS + 4 * m * k / _STAGE_BYTES_S
+    columns = -(-n // (16 * _WG_TILES[3]))
+    bn, rows = _ws_tiles(m, columns, sms)
+    gcols = -(-m // bn) * columns
+    staging = 4 * m * k / _STAGE_BYTES_S
+    whole = rows * 128 * k * 2 / _WS_SM_FLOPS + staging
+    shared_rows = gcols * bn / sms * (1 if bn == WS_BN[-1] else _WS_TILE_128_COST)
+    slots = (sms + gcols) * min(m, bn) * 128 * 4 * 2 / _STAGE_BYTES_S
+    stream = shared_rows * 128 * k * 2 / _WS_SM_FLOPS + staging + slots
     cublas = 2 * m * n * k / _BF16_FLOPS + 2.5625 * n * k / _DEQUANT_BYTES_S + _CUBLAS_FIXED_US * 1e-6
-    return ws < cublas
+    return whole, stream, cublas
+
+
+def _ws_beats_cublas(m: int, n: int, k: int, sms: int | None = None) -> bool:
+    """Whether the warp-specialized kernel (whole columns, or stream K across the row tiles where
+    _ws_stream_across) takes less time than dequantize + cuBLAS, by the cost model (_ws_costs)."""
+    whole, stream, cublas = _ws_costs(m, n, k, sms)
+    return min(whole, _WS_STREAM_MARGIN * stream) < cublas
+
+
+def _ws_stream_across(m: int, n: int, k: int, sms: int | None = None) -> bool:
+    """Whether stream K across the row tiles beats both whole columns and dequantize + cuBLAS by
+    _WS_STREAM_MARGIN in the cost model (_ws_costs)."""
+    whole, stream, cublas = _ws_costs(m, n, k, sms)
+    return _WS_STREAM_MARGIN * stream < min(whole, cublas)
 
 
 def use_fused(m: int, n: int, k: int) -> bool:
@@ -412,7 +447,9 @@ def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = N
     rows tiles of half the rows.
     Otherwise gemm_wg_kernel: rows past 256 go to row tiles of 128 (two blocks per SM where
     256-row blocks fit one), and so do 193-256 rows on layers of at least _WG_WHOLE_FILL of a wave
-    of columns. A kernel with more than one row tile gives every block a whole column; with one,
+    of columns. A kernel with more than one row tile gives every block a whole column (the
+    warp-specialized one, where the cost model says so, shares them in one wave of blocks by stream
+    K across the row tiles instead: _ws_stream_across); with one,
     the layer's columns x K groups are cut into WG_FILL waves of resident blocks (stream K): no
     partial last wave, whatever the number of columns; a layer with many waves of columns keeps
     whole columns, and from 128-row blocks so does one whose columns fill most of one wave
@@ -439,24 +476,30 @@ def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = N
     if (bn, wg) not in _WG_VARIANTS:
         raise ValueError(f"no wgmma kernel for {bn} rows per block with {wg} warpgroups")
     columns = _wg_columns(p, wg)
-    units = columns * p.kg
     tiles = -(-m // bn)
-    if tiles > 1:
+    units = columns * p.kg * (tiles if wg >= 3 else 1)
+    if tiles > 1 and wg < 3:
         if blocks not in (None, columns):
             raise ValueError(f"{m} rows take {tiles} row tiles of {bn}: every block a whole column")
         blocks = columns
+    elif tiles > 1 and blocks is None:  # whole columns, or one wave of stream K across the row tiles
+        sms = sm_count(device)
+        across = bn >= _WG_TILE_ROWS and m <= _WS_MODEL_M_MAX and p.n < _WG_WIDEST_N and \
+            tiles * columns <= p.ntiles + _EXTRA_COUNTERS and _ws_stream_across(m, p.n, p.k, sms)
+        blocks = _wg_occupancy(bn, wg) * sms if across else columns
     elif blocks is None:
         wave = _wg_occupancy(bn, wg) * sm_count(device)
         whole = columns >= _WG_WHOLE_WAVES * wave or ((bn >= _WG_TILE_ROWS or wg == 4) and
                                                        _WG_WHOLE_FILL * wave <= columns <= wave)
         blocks = columns if whole else round(WG_FILL * wave)
     blocks = max(1, min(units, blocks))
-    can_copy = wg == 3 and bn in WS_DIRECT_BN
+    can_copy = wg == 3 and bn in WS_DIRECT_BN and (tiles == 1 or blocks == columns)
     if direct is None:
         direct = can_copy and -(-units // blocks) * bn <= _WS_DIRECT_MAX
     elif direct and not can_copy:
         raise ValueError(f"only the warp-specialized kernel (wg = 3) with {' or '.join(map(str, WS_DIRECT_BN))} rows "
-                         f"per block copies the activations itself, got {bn} rows with wg = {wg}")
+                         f"per block and one row tile or whole columns copies the activations itself, got {bn} "
+                         f"rows with wg = {wg}, {tiles} row tiles, {blocks} blocks")
     return WgConfig(bn, wg, blocks, columns, direct)
 
 
@@ -504,8 +547,9 @@ def wg_workspace(m: int, cfg: WgConfig, kg: int) -> int:
     then, when columns are shared, the partial sums (a slot per block and column: M x the column's
     weight rows, or bn x them up to _WG_REGISTER_SUMS_BN rows per block, where each thread stores its
     accumulators)."""
-    rows = max(m, cfg.bn) if cfg.bn <= _WG_REGISTER_SUMS_BN else m
-    return wg_permuted(m, cfg, kg) + ((cfg.blocks + cfg.columns) * rows * 16 * _WG_TILES[cfg.wg] if cfg.shared else 0)
+    rows = max(m, cfg.bn) if cfg.bn <= _WG_REGISTER_SUMS_BN else min(m, cfg.bn)
+    columns = cfg.columns * (-(-m // cfg.bn) if cfg.wg >= 3 else 1)  # the row tiles' columns end to end
+    return wg_permuted(m, cfg, kg) + ((cfg.blocks + columns) * rows * 16 * _WG_TILES[cfg.wg] if cfg.shared else 0)
 
 
 def _prefetch(m: int) -> int:
@@ -643,7 +687,7 @@ def gemm_wg_into(x2: torch.Tensor, p: PreparedNVFP4, out: torch.Tensor, *, bn: i
     if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
         x2 = x2.contiguous()
     cfg = wg_config(m, p, x2.device, bn, wg, blocks, direct)
-    _check_counters(p, cfg.shared, cfg.columns)
+    _check_counters(p, cfg.shared, cfg.columns * (-(-m // cfg.bn) if cfg.wg >= 3 else 1))
     ws = _workspace(wg_workspace(m, cfg, p.kg), x2, workspace)
     xp = wg_permuted(m, cfg, p.kg)
     lib = _build.library()
