@@ -5,9 +5,11 @@
 Layers are model:layer of benchmarks/gemm_nvfp4.py's SHAPES or model:NxK; row counts M comma
 separated. Per layer and M: bf16 matmul, dequantize + cuBLAS, the path the op takes
 (``kernel_path``), and the warp-specialized wgmma kernel forced into row tiles of 256 and of 128
-rows (every block a whole column where there are several), each in us with its ratio to bf16 and
-its TFLOP/s; timed as benchmarks/gemm_nvfp4.py times (a CUDA graph of calls over >300 MB of weight
-copies, median of the replays), the best of two rounds.
+rows, every block a whole column ("ws n256", "ws n128") and, where there are several row tiles (and
+the layer's split-K tickets suffice), one wave of blocks sharing them by stream K ("sk n256",
+"sk n128"), each in us with its ratio to bf16 and its TFLOP/s; timed as benchmarks/gemm_nvfp4.py
+times (a CUDA graph of calls over >300 MB of weight copies, median of the replays), the best of two
+rounds.
 """
 from __future__ import annotations
 
@@ -37,6 +39,10 @@ def main() -> None:
             timers = {"bf16": lambda: weights.time_bf16(x), "dequant+cuBLAS": lambda: weights.time_large(x),
                       "op": lambda: weights.time_ours(x),
                       "ws n256": lambda: weights.time_wg(x, 256, 3), "ws n128": lambda: weights.time_wg(x, 128, 3)}
+            wave, p = gemm.sm_count(x.device), weights.fp4[0]
+            for bn in (256, 128):  # where the layer has a ticket for every row tile's column
+                if m > bn and -(-m // bn) * gemm._wg_columns(p, 3) <= p.counters.numel():
+                    timers[f"sk n{bn}"] = lambda bn=bn: weights.time_wg(x, bn, 3, wave)
             best = {name: min(fn() for _ in range(ROUNDS)) for name, fn in timers.items()}
             route = gemm.kernel_path(m, n, k)
             if route == "wg":
