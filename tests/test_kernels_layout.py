@@ -238,7 +238,7 @@ def test_wgmma_path_and_launch_rule(monkeypatch):
     monkeypatch.setattr(gemm, "WG_WS", False)
     shapes = {"qkv7": (4608, 3584), "o7": (3584, 3584), "up7": (37888, 3584), "down7": (3584, 18944),
               "up14": (27648, 5120), "down14": (5120, 13824), "up32": (55296, 5120), "qkv14": (7168, 5120),
-              "qkv72": (10240, 8192)}
+              "qkv72": (10240, 8192), "odd": (1008, 1024)}
     layers = {name: SimpleNamespace(n=n, k=k, ntiles=n // 16, kg=k // 256) for name, (n, k) in shapes.items()}
     path = {name: [gemm.kernel_path(m, n, k) for m in (16, 32, 64, 128, 256, 320, 512, 1024)]
             for name, (n, k) in shapes.items()}
@@ -278,6 +278,7 @@ def test_wgmma_path_and_launch_rule(monkeypatch):
         ("qkv72", 512): (128, 3, 80, 80, False),  # 2 x 80 blocks of 256 rows: two waves, 4 x 80 of 128: three
         ("qkv72", 768): (256, 3, 80, 80, False),  # 3 x 80 of 256: two waves, 6 x 80 of 128: four
         ("down7", 512): (128, 3, 28, 28, False),  # 4 x 28 blocks of 128 rows: one wave
+        ("odd", 100): (64, 3, 8, 8, True),  # two row tiles of 64, whole columns of 4 groups: the block copies x
         # 2 x 40 blocks of 256 rows, 0.6 wave: one wave of blocks shares them by stream K across the row tiles
         ("down14", 512): (256, 3, 132, 40, False),
         ("down14", 768): (256, 3, 40, 40, False),  # 3 x 40: 0.91 wave, whole columns

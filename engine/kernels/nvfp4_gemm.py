@@ -494,8 +494,9 @@ def wg_config(m: int, p: PreparedNVFP4, device: torch.device, bn: int | None = N
         blocks = columns if whole else round(WG_FILL * wave)
     blocks = max(1, min(units, blocks))
     can_copy = wg == 3 and bn in WS_DIRECT_BN and (tiles == 1 or blocks == columns)
+    grid = columns * tiles if wg >= 3 and blocks == columns else blocks  # whole columns: one block each
     if direct is None:
-        direct = can_copy and -(-units // blocks) * bn <= _WS_DIRECT_MAX
+        direct = can_copy and -(-units // grid) * bn <= _WS_DIRECT_MAX
     elif direct and not can_copy:
         raise ValueError(f"only the warp-specialized kernel (wg = 3) with {' or '.join(map(str, WS_DIRECT_BN))} rows "
                          f"per block and one row tile or whole columns copies the activations itself, got {bn} "
