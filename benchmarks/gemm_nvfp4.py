@@ -1,9 +1,9 @@
 """NVFP4 weight-only GEMM vs torch bf16 matmul, same GPU, same run.
 
-Per layer shape (Qwen2.5 7B/14B/32B: fused qkv, o, fused gate_up, down) and activation rows M:
-time of ``x @ W.t()`` in bf16, time of ``engine.kernels.nvfp4_matmul``, their ratio, the TB/s our
-kernel reaches on the 0.5625 bytes/weight stream, and the ratio as a share of the 16/4.5 = 3.56x
-byte ceiling. Each timing is a CUDA graph of calls that rotate through >300 MB of weight copies
+Per layer shape (Qwen2.5 7B/14B/32B, and 72B with ``--models``: fused qkv, o, fused gate_up, down)
+and activation rows M: time of ``x @ W.t()`` in bf16, time of ``engine.kernels.nvfp4_matmul``, their
+ratio, the TB/s our kernel reaches on the 0.5625 bytes/weight stream, and the ratio as a share of
+the 16/4.5 = 3.56x byte ceiling. Each timing is a CUDA graph of calls that rotate through >300 MB of weight copies
 (so L2 holds none of them), replayed many times, median of the replays per call.
 
     python benchmarks/gemm_nvfp4.py                  # the table
@@ -35,6 +35,7 @@ SHAPES = {
     "7b": {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)},
     "14b": {"qkv": (7168, 5120), "o": (5120, 5120), "gate_up": (27648, 5120), "down": (5120, 13824)},
     "32b": {"qkv": (7168, 5120), "o": (5120, 5120), "gate_up": (55296, 5120), "down": (5120, 27648)},
+    "72b": {"qkv": (10240, 8192), "o": (8192, 8192), "gate_up": (59136, 8192), "down": (8192, 29568)},
 }
 MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 ROTATE_BYTES = 300e6

@@ -182,36 +182,50 @@ def test_read_patterns_benchmark_builds(tmp_path):
 
 def test_small_kernel_launch_rule_by_layer_kind(monkeypatch):
     """The launch rule on an H200's 132 SMs, as (8-row tiles, tiles per warp, K splits, groups per
-    slice, warps per tile): narrow layers spread each tile's K over the eight warps of a block,
-    and of two blocks at 3-8 rows (down below 3 rows: four warps, two tiles, K split to about
-    four blocks per SM; above 8 rows two tiles per warp where one block per tile would leave a
-    partial wave), gate_up four warps per tile at 3-8 rows and two tiles per warp below;
-    above 16 rows (8 for gate_up) the block target alone; explicit arguments are kept."""
+    slice, warps per tile): narrow layers spread each tile's K over the eight warps of one block
+    per tile (two tiles per warp where one block per tile would leave a partial wave); long-K ones
+    from 3 rows take eight or four warps per tile and the K split whose one wave of blocks fills
+    the multiprocessors best (up to 8 rows) or most (9-16 rows, two tiles per warp), and below 3
+    rows four warps, two tiles, K split to about four blocks per SM; gate_up four warps per tile
+    at 3-8 rows, two tiles per warp below, and at 9-16 rows two warps per tile (four from 32
+    groups) with two tiles per warp unless that leaves a last wave less than half full; above 16
+    rows the block target alone; explicit arguments are kept."""
     from types import SimpleNamespace
 
     from engine.kernels import nvfp4_gemm as gemm
 
     monkeypatch.setattr(gemm, "sm_count", lambda device: 132)
-    monkeypatch.setattr(gemm, "_small_occupancy", lambda mt, tnw: 3)  # 16-row blocks per SM (measured on H200)
+    occupancy = {(1, 1): 4, (1, 2): 3, (2, 1): 3, (2, 2): 2}  # blocks per SM (measured on H200)
+    monkeypatch.setattr(gemm, "_small_occupancy", lambda mt, tnw: occupancy[mt, tnw])
     qkv7 = SimpleNamespace(ntiles=4608 // 16, kg=3584 // 256)
     qkv14 = SimpleNamespace(ntiles=7168 // 16, kg=5120 // 256)  # 448 tiles: more than 3 x 132 blocks
+    qkv72 = SimpleNamespace(ntiles=10240 // 16, kg=8192 // 256)  # 640 tiles: more than 4 x 132
     down7 = SimpleNamespace(ntiles=3584 // 16, kg=18944 // 256)  # 74 groups: long K
+    down32 = SimpleNamespace(ntiles=5120 // 16, kg=27648 // 256)
     up7 = SimpleNamespace(ntiles=37888 // 16, kg=3584 // 256)  # 2368 tiles: wide
+    up14 = SimpleNamespace(ntiles=27648 // 16, kg=5120 // 256)
+    up72 = SimpleNamespace(ntiles=59136 // 16, kg=8192 // 256)
     cpu = torch.device("cpu")
-    for m in (1, 2):
+    for m in (1, 2, 3, 8):
         assert gemm.small_config(m, qkv7, cpu) == (1, 1, 1, 2, 8)  # 14 groups over 7 of 8 warps
-    for m in (3, 8):
-        assert gemm.small_config(m, qkv7, cpu) == (1, 1, 2, 1, 8)  # and over two blocks
     assert gemm.small_config(16, qkv7, cpu) == (2, 1, 1, 2, 8)
-    assert gemm.small_config(8, qkv14, cpu) == (1, 1, 2, 2, 8)
+    assert gemm.small_config(8, qkv14, cpu) == (1, 1, 1, 3, 8)
     for m in (9, 16):
         assert gemm.small_config(m, qkv14, cpu) == (2, 2, 1, 3, 8)  # two tiles per warp: 224 blocks
+    assert gemm.small_config(1, qkv72, cpu) == (1, 1, 1, 4, 8)
+    assert gemm.small_config(3, qkv72, cpu) == (1, 2, 1, 4, 8)  # 320 blocks
     assert gemm.small_config(1, down7, cpu) == (1, 2, 7, 3, 4)  # 56 column blocks: 9 splits asked, 25 slices
-    assert gemm.small_config(3, down7, cpu) == (1, 1, 2, 5, 8)
-    assert gemm.small_config(9, down7, cpu) == (2, 1, 1, 10, 8)
+    for m in (3, 8):
+        assert gemm.small_config(m, down7, cpu) == (1, 1, 2, 5, 8)  # 448 blocks: as full as 224, more of them
+        assert gemm.small_config(m, down32, cpu) == (1, 1, 3, 9, 4)  # 480 blocks of 528, 91% of 4 rounds
+    for m in (9, 16):
+        assert gemm.small_config(m, down7, cpu) == (2, 2, 2, 5, 8)  # 224 blocks of 264
+        assert gemm.small_config(m, down32, cpu) == (2, 2, 3, 9, 4)  # 240 blocks (eight warps: 160)
     assert gemm.small_config(1, up7, cpu) == (1, 2, 5, 3, 1)  # 148 column blocks, 800-block target
     assert gemm.small_config(8, up7, cpu) == (1, 1, 1, 4, 4)
-    assert gemm.small_config(16, up7, cpu) == (2, 1, 1, 14, 1)
+    assert gemm.small_config(16, up7, cpu) == (2, 1, 1, 7, 2)  # two tiles: 296 blocks, 1.12 waves
+    assert gemm.small_config(16, up14, cpu) == (2, 2, 1, 10, 2)  # 216 blocks
+    assert gemm.small_config(16, up72, cpu) == (2, 2, 1, 8, 4)  # 32 groups: four warps, 924 blocks
     assert gemm.small_config(17, down7, cpu) == (4, 1, 7, 11, 1)  # 200-block target, whole tiles
     assert gemm.small_config(8, down7, cpu, splits=5) == (1, 1, 5, 15, 1)  # explicit: no slices
     assert gemm.small_config(8, down7, cpu, splits=2, wpt=4) == (1, 1, 2, 10, 4)

@@ -36,17 +36,24 @@ from engine.kernels import nvfp4_layout as layout
 
 SMALL_M_MAX = 128
 # Launch shape of the small-M kernel (small_config), measured on H200 (132 SMs) per call
-# (benchmarks/gemm_nvfp4.py --sweep, --sweep-slices --serial) and in the decode step (7B and 32B,
-# benchmarks/RESULTS.md). Up to 16 rows, by layer kind (N in 16-row tiles, K in 256-input groups):
+# (benchmarks/gemm_nvfp4.py --sweep, --sweep-slices with and without --serial) and in the decode
+# step (7B and 32B, benchmarks/RESULTS.md). Up to 16 rows, by layer kind (N in 16-row tiles, K in
+# 256-input groups):
 # - narrow layers (at most _NARROW_TILES tiles: q/k/v, o, down): each tile's K range over all
-#   eight warps of one block, summed in shared memory (SmallConfig.wpt), and over two blocks from
-#   _SLICE_MIN_M to 8 rows (_NARROW_SPLIT_M), over one otherwise, with two tiles per warp above 8
-#   rows where one block per tile would leave a partial wave of resident blocks (14B/32B q/k/v at
-#   9-16 rows: 17.5 -> 12.8 us a call on H100 with a dependent copy between calls); but long-K
-#   ones (the down projections, >= _LONG_K_GROUPS groups) below _SLICE_MIN_M rows take four warps
-#   per tile, two tiles per warp, and K split across blocks to about _RESIDENT blocks per SM;
+#   eight warps of one block, summed in shared memory (SmallConfig.wpt), one block per tile, with
+#   two tiles per warp where one block per tile would leave a partial wave of resident blocks
+#   (14B/32B q/k/v at 9-16 rows: 17.5 -> 12.8 us a call on H100 with a dependent copy between
+#   calls; 72B q/k/v at 3-8 rows); but long-K ones (the down projections, >= _LONG_K_GROUPS
+#   groups) take eight or four warps per tile and K split across blocks within one wave
+#   (_long_k_wave; 32B down at 8 rows 34.5 -> 29.8 us, at 16 36.9 -> 33.0), and below
+#   _SLICE_MIN_M rows four warps per tile, two tiles per warp, and K split across blocks to about
+#   _RESIDENT blocks per SM. (Up to the twenty-seventh round K was split over two blocks at 3-8
+#   rows: 7B q/k/v at 8 rows took 9.6 us against 6.5 now, 14B o 11.8 against 8.5.)
 # - wide layers (gate_up): four warps per tile from _SLICE_MIN_M to 8 rows, no split; below that
-#   two tiles per warp with the block target below.
+#   two tiles per warp with the block target below; at 9-16 rows two warps per tile (four from
+#   _WIDE_SLICE_K_GROUPS groups), no split, and two tiles per warp, or one where two would leave a
+#   last wave of resident blocks less than half full (14B gate_up at 16 rows 44.7 -> 30.8 us, 7B
+#   35.5 -> 32.3, 72B 99.9 -> 89.7).
 # Otherwise every warp takes whole tiles and K is split across blocks until the grid has about the
 # target number of blocks by rows (split partial sums cost more as M grows), with two weight tiles
 # per warp at 2 rows or when one would already give _WIDE times the target.
@@ -55,7 +62,7 @@ _WIDE = 1.4
 _NARROW_TILES = 1024
 _LONG_K_GROUPS = 48
 _SLICE_MIN_M = 3
-_NARROW_SPLIT_M = 8
+_WIDE_SLICE_K_GROUPS = 32
 _RESIDENT = 4
 _VARIANTS = {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (16, 1)}
 # L2 prefetch distance of the fused kernel in records of 256 inputs (0: off); measured to help
@@ -391,16 +398,43 @@ def _rule(m: int, p: PreparedNVFP4, sms: int) -> tuple[int, int | None, int] | N
     kind up to 16 rows (see the top of the module); None: the block-target rule alone."""
     if m > 16:
         return None
-    narrow, long_k = p.ntiles <= _NARROW_TILES, p.kg >= _LONG_K_GROUPS
-    if narrow and m > _NARROW_SPLIT_M:  # one block per tile, unless that leaves a partial wave
-        return 1 if p.ntiles <= _small_occupancy(_m_tiles(m), 1) * sms else 2, 1, 8
-    if narrow and (m >= _SLICE_MIN_M or not long_k):
-        return 1, 2 if m >= _SLICE_MIN_M else 1, 8
+    narrow, long_k, mt = p.ntiles <= _NARROW_TILES, p.kg >= _LONG_K_GROUPS, _m_tiles(m)
+    if narrow and long_k and m >= _SLICE_MIN_M:
+        return _long_k_wave(p, mt, sms)
+    if narrow and m >= _SLICE_MIN_M:  # one block per tile, unless that leaves a partial wave
+        return 1 if p.ntiles <= _small_occupancy(mt, 1) * sms else 2, 1, 8
+    if narrow and not long_k:
+        return 1, 1, 8
     if narrow:
         return 2, max(1, round(_RESIDENT * sms / small_column_blocks(p, 2, 4))), 4
     if m < _SLICE_MIN_M:
         return 2, None, 1
-    return (1, 1, 4) if m <= 8 else None
+    if m <= 8:
+        return 1, 1, 4
+    wpt = 4 if p.kg >= _WIDE_SLICE_K_GROUPS else 2
+    blocks, wave = small_column_blocks(p, 2, wpt), _small_occupancy(mt, 2) * sms
+    return 1 if wave < blocks and blocks / wave % 1 < 0.5 else 2, 1, wpt
+
+
+def _long_k_wave(p: PreparedNVFP4, mt: int, sms: int) -> tuple[int, int, int]:
+    """(tiles per warp, K splits, warps per tile) of a long-K narrow layer from _SLICE_MIN_M rows: of
+    eight or four warps per tile and K splits within one wave of resident blocks, up to 8 rows (one
+    tile per warp) the grid whose last round of blocks over the multiprocessors is fullest, then the
+    one of more blocks (in the decode step, where each launch starts under the previous kernel, more
+    blocks ask for more of the weights before the wait: 7B down at 8 rows 224 blocks took 7.9 us
+    a layer more than 448 although alone it is 1.7 us faster), then eight warps; from 9 rows (two
+    tiles per warp) the most blocks, eight warps first."""
+    tnw = 1 if mt == 1 else 2
+    wave = _small_occupancy(mt, tnw) * sms
+    best, best_key = (tnw, 1, 8), None
+    for wpt in (8, 4):
+        columns = small_column_blocks(p, tnw, wpt)
+        for splits in range(1, max(1, min(p.kg // wpt, wave // columns)) + 1):
+            blocks = columns * splits
+            key = (round(blocks / (-(-blocks // sms) * sms), 2), blocks, wpt) if mt == 1 else (blocks, wpt)
+            if best_key is None or key > best_key:
+                best, best_key = (tnw, splits, wpt), key
+    return best
 
 
 @lru_cache(maxsize=None)
