@@ -462,6 +462,14 @@ class WgConfig(NamedTuple):
     def shared(self) -> bool:
         return self.blocks != self.columns
 
+    def row_tiles(self, m: int) -> int:
+        return -(-m // self.bn)
+
+    def launch_columns(self, m: int) -> int:
+        """Columns of a launch of M rows as its tickets and partial sums count them: the
+        warp-specialized kernel (wg >= 3) lays its row tiles' columns end to end."""
+        return self.columns * (self.row_tiles(m) if self.wg >= 3 else 1)
+
 
 def _wg_columns(p: PreparedNVFP4, wg: int) -> int:
     """Column blocks of the wgmma kernel: 4 weight tiles (64 rows) per compute warpgroup (8 with
@@ -573,8 +581,8 @@ def wg_permuted(m: int, cfg: WgConfig, kg: int) -> int:
     if cfg.direct:
         return 0
     if cfg.wg >= 3:
-        return -(-m // cfg.bn) * kg * 4 * _ws_stage_bytes(cfg.bn) // 4
-    return -(-m // cfg.bn) * cfg.bn * kg * 128 if cfg.bn >= wg_permuted_rows() else 0
+        return cfg.row_tiles(m) * kg * 4 * _ws_stage_bytes(cfg.bn) // 4
+    return cfg.row_tiles(m) * cfg.bn * kg * 128 if cfg.bn >= wg_permuted_rows() else 0
 
 
 def wg_workspace(m: int, cfg: WgConfig, kg: int) -> int:
@@ -583,8 +591,8 @@ def wg_workspace(m: int, cfg: WgConfig, kg: int) -> int:
     weight rows, or bn x them up to _WG_REGISTER_SUMS_BN rows per block, where each thread stores its
     accumulators)."""
     rows = max(m, cfg.bn) if cfg.bn <= _WG_REGISTER_SUMS_BN else min(m, cfg.bn)
-    columns = cfg.columns * (-(-m // cfg.bn) if cfg.wg >= 3 else 1)  # the row tiles' columns end to end
-    return wg_permuted(m, cfg, kg) + ((cfg.blocks + columns) * rows * 16 * _WG_TILES[cfg.wg] if cfg.shared else 0)
+    sums = (cfg.blocks + cfg.launch_columns(m)) * rows * 16 * _WG_TILES[cfg.wg] if cfg.shared else 0
+    return wg_permuted(m, cfg, kg) + sums
 
 
 def _prefetch(m: int) -> int:
@@ -722,7 +730,7 @@ def gemm_wg_into(x2: torch.Tensor, p: PreparedNVFP4, out: torch.Tensor, *, bn: i
     if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
         x2 = x2.contiguous()
     cfg = wg_config(m, p, x2.device, bn, wg, blocks, direct)
-    _check_counters(p, cfg.shared, cfg.columns * (-(-m // cfg.bn) if cfg.wg >= 3 else 1))
+    _check_counters(p, cfg.shared, cfg.launch_columns(m))
     ws = _workspace(wg_workspace(m, cfg, p.kg), x2, workspace)
     xp = wg_permuted(m, cfg, p.kg)
     lib = _build.library()
