@@ -3,8 +3,8 @@
 Per layer shape (Qwen2.5 7B/14B/32B, and 72B with ``--models``: fused qkv, o, fused gate_up, down)
 and activation rows M: time of ``x @ W.t()`` in bf16, time of ``engine.kernels.nvfp4_matmul``, their
 ratio, the TB/s our kernel reaches on the 0.5625 bytes/weight stream, and the ratio as a share of
-the 16/4.5 = 3.56x byte ceiling. Each timing is a CUDA graph of calls that rotate through >300 MB of weight copies
-(so L2 holds none of them), replayed many times, median of the replays per call.
+the 16/4.5 = 3.56x byte ceiling. Each timing is a CUDA graph of calls that rotate through >300 MB
+of weight copies (so L2 holds none of them), replayed many times, median of the replays per call.
 
     python benchmarks/gemm_nvfp4.py                  # the table
     python benchmarks/gemm_nvfp4.py --sweep          # small-kernel configurations and crossovers

@@ -226,6 +226,8 @@ def test_small_kernel_launch_rule_by_layer_kind(monkeypatch):
     assert gemm.small_config(16, up7, cpu) == (2, 1, 1, 7, 2)  # two tiles: 296 blocks, 1.12 waves
     assert gemm.small_config(16, up14, cpu) == (2, 2, 1, 10, 2)  # 216 blocks
     assert gemm.small_config(16, up72, cpu) == (2, 2, 1, 8, 4)  # 32 groups: four warps, 924 blocks
+    two_waves = SimpleNamespace(ntiles=4 * 2 * 264, kg=20)
+    assert gemm.small_config(16, two_waves, cpu) == (2, 2, 1, 10, 2)  # 528 blocks: two whole waves
     assert gemm.small_config(17, down7, cpu) == (4, 1, 7, 11, 1)  # 200-block target, whole tiles
     assert gemm.small_config(8, down7, cpu, splits=5) == (1, 1, 5, 15, 1)  # explicit: no slices
     assert gemm.small_config(8, down7, cpu, splits=2, wpt=4) == (1, 1, 2, 10, 4)

@@ -47,8 +47,8 @@ SMALL_M_MAX = 128
 #   groups) take eight or four warps per tile and K split across blocks within one wave
 #   (_long_k_wave; 32B down at 8 rows 34.5 -> 29.8 us, at 16 36.9 -> 33.0), and below
 #   _SLICE_MIN_M rows four warps per tile, two tiles per warp, and K split across blocks to about
-#   _RESIDENT blocks per SM. (Up to the twenty-seventh round K was split over two blocks at 3-8
-#   rows: 7B q/k/v at 8 rows took 9.6 us against 6.5 now, 14B o 11.8 against 8.5.)
+#   _RESIDENT blocks per SM. (The previous rule split K over two blocks at 3-8 rows: 7B q/k/v at 8
+#   rows took 9.6 us against 6.5 now, 14B o 11.8 against 8.5.)
 # - wide layers (gate_up): four warps per tile from _SLICE_MIN_M to 8 rows, no split; below that
 #   two tiles per warp with the block target below; at 9-16 rows two warps per tile (four from
 #   _WIDE_SLICE_K_GROUPS groups), no split, and two tiles per warp, or one where two would leave a
@@ -413,7 +413,7 @@ def _rule(m: int, p: PreparedNVFP4, sms: int) -> tuple[int, int | None, int] | N
         return 1, 1, 4
     wpt = 4 if p.kg >= _WIDE_SLICE_K_GROUPS else 2
     blocks, wave = small_column_blocks(p, 2, wpt), _small_occupancy(mt, 2) * sms
-    return 1 if wave < blocks and blocks / wave % 1 < 0.5 else 2, 1, wpt
+    return 1 if wave < blocks and 0 < blocks / wave % 1 < 0.5 else 2, 1, wpt
 
 
 def _long_k_wave(p: PreparedNVFP4, mt: int, sms: int) -> tuple[int, int, int]:
