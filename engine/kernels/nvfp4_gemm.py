@@ -426,15 +426,15 @@ def _long_k_wave(p: PreparedNVFP4, mt: int, sms: int) -> tuple[int, int, int]:
     tiles per warp) the most blocks, eight warps first."""
     tnw = 1 if mt == 1 else 2
     wave = _small_occupancy(mt, tnw) * sms
-    best, best_key = (tnw, 1, 8), None
-    for wpt in (8, 4):
-        columns = small_column_blocks(p, tnw, wpt)
-        for splits in range(1, max(1, min(p.kg // wpt, wave // columns)) + 1):
-            blocks = columns * splits
-            key = (round(blocks / (-(-blocks // sms) * sms), 2), blocks, wpt) if mt == 1 else (blocks, wpt)
-            if best_key is None or key > best_key:
-                best, best_key = (tnw, splits, wpt), key
-    return best
+
+    def rank(launch: tuple[int, int, int]) -> tuple:
+        _, splits, wpt = launch
+        blocks = small_column_blocks(p, tnw, wpt) * splits
+        return (round(blocks / (-(-blocks // sms) * sms), 2), blocks, wpt) if mt == 1 else (blocks, wpt)
+
+    return max(((tnw, splits, wpt) for wpt in (8, 4)
+                for splits in range(1, max(1, min(p.kg // wpt, wave // small_column_blocks(p, tnw, wpt))) + 1)),
+               key=rank)
 
 
 @lru_cache(maxsize=None)
