@@ -11,10 +11,11 @@ changes is how a decode token is computed:
 - the step reads its inputs from static buffers (tokens, positions, write column, key mask) and
   advances them itself, so a captured graph replays step after step; one graph per
   (bucket, attention length rounded up to ``len_bucket``). Sampling stays eager and on the
-  GPU; the host reads the sampled tokens once every ``sync_every`` steps (eos, stop strings,
-  length, ``should_stop``), so the GPU does not wait for the host in between. Rows that end
-  inside such a window are sampled on to its end and the extra tokens dropped. Sampling with a
-  CPU generator, the host reads every step (same generator use as the eager sampler).
+  GPU (one kernel after the draws on Hopper: sampler.FUSED); the host reads the sampled tokens
+  once every ``sync_every`` steps (eos, stop strings, length, ``should_stop``), each window while
+  the GPU runs the step after it, so the GPU does not wait for the host. Rows that end inside a
+  window are sampled on to its end and the extra tokens dropped. Sampling with a CPU generator,
+  the host reads every step (same generator use as the eager sampler).
 - q/k/v and gate/up run as one GEMM each: NVFP4 weights repacked once into one fused kernel
   operand, whose row ranges become the members' only copy (NVFP4Linear.make_resident: the
   compressed-tensors buffers are dropped, training reads the same operand); bf16 weights become
@@ -98,6 +99,10 @@ FUSED_NORM_MIN_HIDDEN = 4097
 # 2.385 -> 2.370; but at 8 rows 7B 2.957 -> 3.034 and 32B 9.920 -> 10.025: o's launch is short,
 # and the tasks (one block per rank row over all of K) then hold its epilogue back.
 O_SHRINK_TASK_ROWS = 1
+# With the fused ops, a step's inputs (token embeddings, RoPE rows, the valid mask's new column)
+# and its outputs (logits to fp32, positions and write column moved on) are one launch each
+# instead of four and three small kernels.
+STEP_KERNELS = True
 
 
 def _bucket(n: int, cap: int) -> int:
@@ -343,6 +348,11 @@ class GraphRollout:
         self._fused_norm_ok = (isinstance(self.ops, CudaOps) and cfg.hidden_size % 16 == 0 and
                                cfg.hidden_size >= FUSED_NORM_MIN_HIDDEN and
                                all(g.mode == "nvfp4" for L in self.layers for g in (L.qkv, L.o, L.gu, L.down)))
+        emb = model.model.embed_tokens
+        # a step's input gathers and output copy as kernels of fused_decode.cu (STEP_KERNELS)
+        self._step_kernels = (STEP_KERNELS and isinstance(self.ops, CudaOps) and type(emb) is nn.Embedding
+                              and emb.weight.dtype == self.dtype and emb.weight.is_contiguous()
+                              and emb.max_norm is None)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # prefill graphs by (prompts, length): (graph, ids, mask, logits), most recently used last;
@@ -385,9 +395,13 @@ class GraphRollout:
         cfg, ops = self.cfg, self.ops
         heads, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
-        self.valid[:b].index_fill_(1, self.slot, True)
-        cos, sin = self._cos_sin(self.pos[:b])  # (B, D)
-        x = self.model.model.embed_tokens(self.tok[:b])  # (B, H)
+        if self._step_kernels:  # the three gathers and the fill below in one launch
+            x, cos, sin = ops.step_inputs(self.tok[:b], self.pos[:b], self.slot, self.model.model.embed_tokens.weight,
+                                          self.rope_cos, self.rope_sin, self.valid[:b])
+        else:
+            self.valid[:b].index_fill_(1, self.slot, True)
+            cos, sin = self._cos_sin(self.pos[:b])  # (B, D)
+            x = self.model.model.embed_tokens(self.tok[:b])  # (B, H)
         # The shrink (x @ A^T) of a LoRA term is computed by the kernel that makes x (norm, SiLU *
         # up) where there is one: s_qkv, s_gu, s_down; only o's input comes from attention (its
         # shrink in a launch of its own, or by tasks of o's GEMM launch: O_SHRINK_TASK_ROWS).
@@ -427,9 +441,12 @@ class GraphRollout:
                 x, h, s_qkv = ops.add_rmsnorm_shrink(x, *self._project(L.down, a, L.down.term(s_down)),
                                                      nxt.w_in if nxt else self.w_final, eps,
                                                      nxt.qkv.a if nxt else None)
-        self.logits[:b].copy_(F.linear(h, self.model.lm_head.weight))
-        self.pos[:b] += 1
-        self.slot += 1
+        if self._step_kernels:  # the copy to fp32 and the two increments in one launch
+            ops.step_outputs(F.linear(h, self.model.lm_head.weight), self.logits, self.pos, self.slot)
+        else:
+            self.logits[:b].copy_(F.linear(h, self.model.lm_head.weight))
+            self.pos[:b] += 1
+            self.slot += 1
 
     # -- prefill: the prompt tokens of sequences [0, n) through the same fused groups ---------
     def _prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -687,18 +704,17 @@ class GraphRollout:
         self.stats.prefill_s += t1 - t0
         rows = Rows(tokenizer, params, eos, n)
         # Sampled entry j of a step is cache row at[j]; cols[i] is the entry of live row i.
-        # Tokens stay on the GPU for ``every`` steps, then are recorded in one copy.
+        # Tokens stay on the GPU for ``every`` steps, then are copied to the host in one window,
+        # which is read once the step after it is launched (the GPU runs that step meanwhile;
+        # rows that ended in the window leave the batch from the step after).
         every = self._sync_every(generator, params.temperature)
         at, cols, pending = list(range(n)), list(range(n)), []
         rows_at = None  # at on the GPU while it is not 0..len(at)-1 (made once per change: no copy per step)
+        window: _Window | None = None
         cancelled = False
         for t in range(params.max_new_tokens):
-            nxt, lp = sample_next(logits, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                                  generator=generator)
-            pending.append((nxt, lp))
-            if len(pending) == every or t + 1 == params.max_new_tokens:
-                cols = _record(rows, pending, cols)
-                pending = []
+            if window is not None:
+                cols, window = window.record(rows, cols), None
                 if not rows.live:
                     break
                 if stop():
@@ -706,22 +722,29 @@ class GraphRollout:
                     rows.cancel(range(len(rows.live)))
                     break
                 if len(cols) < len(at):  # rows ended: sample only the live ones from now on
-                    sel = torch.tensor(cols, device=dev)
-                    nxt = nxt.index_select(0, sel)
+                    logits = logits.index_select(0, torch.tensor(cols, device=dev))
                     at, cols = [at[c] for c in cols], list(range(len(cols)))
                     nb = _bucket(len(at), self.max_batch)
                     if nb < b:
                         self._compact(torch.tensor(at, device=dev))
                         at, b = list(range(len(at))), nb
                     rows_at = None if at == list(range(len(at))) else torch.tensor(at, device=dev)
-            if rows_at is None:
-                self.tok[:len(at)].copy_(nxt)
-            else:
+            into = self.tok if rows_at is None else None  # the next step's inputs, written by the sampler
+            nxt, lp = sample_next(logits, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                                  generator=generator, tokens_into=into)
+            pending.append((nxt, lp))
+            if len(pending) == every or t + 1 == params.max_new_tokens:
+                window, pending = _Window(pending), []
+            if t + 1 == params.max_new_tokens:
+                break
+            if rows_at is not None:
                 self.tok.index_copy_(0, rows_at, nxt)
             self._run_step(b, slot)
             slot += 1
             self.stats.steps += 1
             logits = self.logits[:len(at)] if rows_at is None else self.logits.index_select(0, rows_at)
+        if window is not None:  # the last window (at max_new_tokens)
+            window.record(rows, cols)
         self.stats.decode_s += _now(dev) - t1
         outs = rows.completions(prompts)
         self.stats.tokens += sum(len(c.token_ids) for c in outs)
@@ -750,18 +773,34 @@ class GraphRollout:
             model.train(was_training)
 
 
-def _record(rows: Rows, pending: list[tuple[torch.Tensor, torch.Tensor]], cols: list[int]) -> list[int]:
-    """Record a window of sampled steps (one host copy); live row i reads entry cols[i] of
-    each step. Returns the entries of the rows still live."""
-    toks = torch.stack([p[0] for p in pending]).tolist()
-    lps = torch.stack([p[1].float() for p in pending]).tolist()
-    for tk, lp in zip(toks, lps):
-        keep = rows.record([tk[c] for c in cols], [lp[c] for c in cols])
-        if len(keep) < len(cols):
-            rows.live, cols = [rows.live[j] for j in keep], [cols[j] for j in keep]
-        if not cols:
-            break
-    return cols
+class _Window:
+    """A window of sampled steps on its way to the host: one copy of its tokens and one of their
+    log-probs, asynchronous on a GPU (pinned buffers), read by ``record``."""
+
+    def __init__(self, pending: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        toks = torch.stack([p[0] for p in pending])
+        lps = torch.stack([p[1].float() for p in pending])
+        self.done = None
+        if toks.is_cuda:
+            self.toks = torch.empty(toks.shape, dtype=toks.dtype, pin_memory=True).copy_(toks, non_blocking=True)
+            self.lps = torch.empty(lps.shape, dtype=lps.dtype, pin_memory=True).copy_(lps, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.toks, self.lps = toks, lps
+
+    def record(self, rows: Rows, cols: list[int]) -> list[int]:
+        """Record the window's tokens (live row i reads entry cols[i] of each step); returns the
+        entries of the rows still live."""
+        if self.done is not None:
+            self.done.synchronize()
+        for tk, lp in zip(self.toks.tolist(), self.lps.tolist()):
+            keep = rows.record([tk[c] for c in cols], [lp[c] for c in cols])
+            if len(keep) < len(cols):
+                rows.live, cols = [rows.live[j] for j in keep], [cols[j] for j in keep]
+            if not cols:
+                break
+        return cols
 
 
 def _now(device: torch.device) -> float:

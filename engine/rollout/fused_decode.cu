@@ -366,6 +366,141 @@ __global__ void silu_mul_kernel(const bf16* __restrict__ gu, const bf16* __restr
 }
 
 
+// ---- the step's own small work: inputs before the first layer, sampling after the head ------
+
+// grid (rows), block 256: row r of a decode step's inputs: x[r] = embed[tok[r]], cos/sin rows of
+// position pos[r], and valid[r, *slot] = true (the token's own cache column). Gathers only.
+__global__ void __launch_bounds__(256)
+    step_inputs_kernel(const int64_t* __restrict__ tok, const int64_t* __restrict__ pos,
+                       const int64_t* __restrict__ slot, const bf16* __restrict__ embed,
+                       const bf16* __restrict__ cos_t, const bf16* __restrict__ sin_t, bf16* __restrict__ x,
+                       bf16* __restrict__ cos_out, bf16* __restrict__ sin_out, bool* __restrict__ valid,
+                       long long ld_valid, int hdim, int d) {
+  pdl_wait_then_release();
+  const long long r = blockIdx.x, t = tok[r], p = pos[r];
+  for (int i = threadIdx.x; i < hdim; i += blockDim.x) x[r * hdim + i] = embed[t * hdim + i];
+  for (int i = threadIdx.x; i < d; i += blockDim.x) {
+    cos_out[r * d + i] = cos_t[p * d + i];
+    sin_out[r * d + i] = sin_t[p * d + i];
+  }
+  if (threadIdx.x == 0) valid[r * ld_valid + *slot] = true;
+}
+
+// grid (ceil(n / 1024), rows), block 256: out (rows, n) fp32 = y (rows, n) bf16; then the step's
+// counters move on: pos[r] += 1 for r < rows and *slot += 1 (block (0, 0)).
+__global__ void __launch_bounds__(256)
+    step_outputs_kernel(const bf16* __restrict__ y, float* __restrict__ out, long long ld_out, int64_t* pos,
+                        int64_t* slot, int rows, int n) {
+  pdl_wait_then_release();
+  const long long r = blockIdx.y;
+  const int i0 = blockIdx.x * 1024 + threadIdx.x;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const int i = i0 + c * 256;
+    if (i < n) out[r * ld_out + i] = __bfloat162float(y[r * n + i]);
+  }
+  if (blockIdx.x == 0 && blockIdx.y == 0) {
+    for (int j = threadIdx.x; j < rows; j += blockDim.x) pos[j] += 1;
+    if (threadIdx.x == 0) *slot += 1;
+  }
+}
+
+// Sampling (engine/rollout/sampler.py): with q (exponential draws), token = argmax_i (x_i / T -
+// log q_i), which draws i with probability softmax(x / T)_i (the argmax of p_i / q_i, taken in
+// logs); without q, token = argmax_i x_i (T = 1). Ties go to the smaller index, as torch.argmax.
+// logprob = s_tok - m - log(sum_i exp(s_i - m)), s = x / T, m = max s: log_softmax at the token.
+// grid (ceil(V / kSampleSpan), rows), block kSampleThreads: each block reduces its span to
+// (max, sum of exp(s - max), best value, its index); the row's last block (a ticket) combines
+// them in block order, so the result does not depend on which block ends last.
+constexpr int kSampleThreads = 256, kSampleSpan = 4 * kSampleThreads;
+
+struct SamplePart {
+  float m, sum, best;
+  int idx;
+};
+
+__device__ __forceinline__ bool better(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
+
+// The block's (max, sum of exp(s - max), best, index) from each thread's; thread 0 gets it.
+__device__ SamplePart block_part(SamplePart p) {
+  __shared__ SamplePart parts[kSampleThreads / 32];
+  for (int o = 16; o > 0; o >>= 1) {
+    const float m = __shfl_xor_sync(0xffffffffu, p.m, o), sum = __shfl_xor_sync(0xffffffffu, p.sum, o);
+    const float bv = __shfl_xor_sync(0xffffffffu, p.best, o);
+    const int bi = __shfl_xor_sync(0xffffffffu, p.idx, o);
+    const float mm = fmaxf(p.m, m);
+    p.sum = (mm == -INFINITY) ? 0.f : p.sum * expf(p.m - mm) + sum * expf(m - mm);
+    p.m = mm;
+    if (better(bv, bi, p.best, p.idx)) p.best = bv, p.idx = bi;
+  }
+  if ((threadIdx.x & 31) == 0) parts[threadIdx.x >> 5] = p;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kSampleThreads / 32; ++w) {
+      const SamplePart o = parts[w];
+      const float mm = fmaxf(p.m, o.m);
+      p.sum = (mm == -INFINITY) ? 0.f : p.sum * expf(p.m - mm) + o.sum * expf(o.m - mm);
+      p.m = mm;
+      if (better(o.best, o.idx, p.best, p.idx)) p.best = o.best, p.idx = o.idx;
+    }
+  }
+  return p;
+}
+
+__global__ void __launch_bounds__(kSampleThreads)
+    sample_kernel(const float* __restrict__ x, long long ld_x, const float* __restrict__ q, long long ld_q,
+                  float temperature, int64_t* __restrict__ tokens, float* __restrict__ logprobs,
+                  int64_t* __restrict__ tok_out, SamplePart* __restrict__ ws, int* __restrict__ tickets, int n) {
+  pdl_wait_then_release();
+  const long long r = blockIdx.y;
+  const int nb = gridDim.x, i0 = blockIdx.x * kSampleSpan + threadIdx.x * 4;
+  float s[4], v[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const int i = i0 + c;
+    s[c] = i < n ? x[r * ld_x + i] / temperature : -INFINITY;
+    v[c] = i < n ? (q ? s[c] - logf(q[r * ld_q + i]) : s[c]) : -INFINITY;
+  }
+  SamplePart p{-INFINITY, 0.f, -INFINITY, 0x7fffffff};
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    p.m = fmaxf(p.m, s[c]);
+    if (i0 + c < n && better(v[c], i0 + c, p.best, p.idx)) p.best = v[c], p.idx = i0 + c;
+  }
+  if (p.m != -INFINITY) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) p.sum += expf(s[c] - p.m);
+  }
+  p = block_part(p);
+  __shared__ int is_last;
+  if (threadIdx.x == 0) {
+    ws[r * nb + blockIdx.x] = p;
+    __threadfence();
+    is_last = atomicAdd(tickets + r, 1) == nb - 1;
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  // the row's parts, thread j taking blocks j, j + 256, ... in order, then the same tree as above
+  SamplePart a{-INFINITY, 0.f, -INFINITY, 0x7fffffff};
+  for (int b = threadIdx.x; b < nb; b += kSampleThreads) {
+    const float4 w = __ldcg(reinterpret_cast<const float4*>(ws + r * nb + b));  // other blocks' writes: via L2
+    const SamplePart o{w.x, w.y, w.z, __float_as_int(w.w)};
+    const float mm = fmaxf(a.m, o.m);
+    a.sum = (mm == -INFINITY) ? 0.f : a.sum * expf(a.m - mm) + o.sum * expf(o.m - mm);
+    a.m = mm;
+    if (better(o.best, o.idx, a.best, a.idx)) a.best = o.best, a.idx = o.idx;
+  }
+  a = block_part(a);
+  if (threadIdx.x == 0) {
+    const int tok = a.idx < n ? a.idx : 0;
+    tokens[r] = tok;
+    if (tok_out) tok_out[r] = tok;
+    logprobs[r] = (x[r * ld_x + tok] / temperature - a.m) - logf(a.sum);
+    tickets[r] = 0;
+  }
+}
+
 namespace {
 
 // kernel<<<grid, block, 0, stream>>>(args...), with PDL if enabled.
@@ -469,6 +604,37 @@ int qerl_silu_mul(const void* gu, const void* bias, LORA_ARGS, void* out, int ro
   const dim3 grid((inter + 255) / 256, rows);
   return (int)launch(silu_mul_kernel, grid, dim3(256), stream, (const bf16*)gu, (const bf16*)bias, LORA_MAKE,
                      (bf16*)out, inter);
+}
+
+// A decode step's inputs (step_inputs_kernel): x (rows, hdim), cos / sin (rows, d), valid[:rows, *slot].
+int qerl_step_inputs(const void* tok, const void* pos, const void* slot, const void* embed, const void* cos_t,
+                     const void* sin_t, void* x, void* cos_out, void* sin_out, void* valid, long long ld_valid,
+                     int rows, int hdim, int d, void* stream) {
+  if (rows < 1 || hdim < 1 || d < 1) return (int)cudaErrorInvalidValue;
+  return (int)launch(step_inputs_kernel, dim3(rows), dim3(256), stream, (const int64_t*)tok, (const int64_t*)pos,
+                     (const int64_t*)slot, (const bf16*)embed, (const bf16*)cos_t, (const bf16*)sin_t, (bf16*)x,
+                     (bf16*)cos_out, (bf16*)sin_out, (bool*)valid, ld_valid, hdim, d);
+}
+
+// out (rows, n; row stride ld_out) fp32 = y (rows, n) bf16; pos[:rows] += 1; *slot += 1.
+int qerl_step_outputs(const void* y, void* out, long long ld_out, void* pos, void* slot, int rows, int n,
+                      void* stream) {
+  if (rows < 1 || n < 1) return (int)cudaErrorInvalidValue;
+  const dim3 grid((n + 1023) / 1024, rows);
+  return (int)launch(step_outputs_kernel, grid, dim3(256), stream, (const bf16*)y, (float*)out, ld_out,
+                     (int64_t*)pos, (int64_t*)slot, rows, n);
+}
+
+// tokens (rows) int64 and logprobs (rows) fp32 from x (rows, n) fp32 and q (rows, n) fp32 or null
+// (sample_kernel); tok_out (or null) gets the tokens too. ws: rows * ceil(n / 1024) * 16 bytes;
+// tickets: rows ints, zero before the call (each call leaves them zero).
+int qerl_sample(const void* x, long long ld_x, const void* q, long long ld_q, float temperature, void* tokens,
+                void* logprobs, void* tok_out, void* ws, void* tickets, int rows, int n, void* stream) {
+  if (rows < 1 || n < 1 || !(temperature > 0.f)) return (int)cudaErrorInvalidValue;
+  const dim3 grid((n + kSampleSpan - 1) / kSampleSpan, rows);
+  return (int)launch(sample_kernel, grid, dim3(kSampleThreads), stream, (const float*)x, ld_x, (const float*)q,
+                     ld_q, temperature, (int64_t*)tokens, (float*)logprobs, (int64_t*)tok_out, (SamplePart*)ws,
+                     (int*)tickets, n);
 }
 
 const char* qerl_fused_error_string(int err) { return cudaGetErrorString((cudaError_t)err); }

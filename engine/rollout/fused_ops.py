@@ -28,6 +28,7 @@ SOURCE = Path(__file__).with_name("fused_decode.cu")
 FLAGS = ["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC"]
 SHRINK_BLOCK_INPUTS = 4096  # inputs per block of lora_shrink_kernel (kShrinkInputs)
 MAX_HIDDEN = 8 * 1024  # the norm kernels hold a row in registers (kRowSlots per thread of 1024)
+SAMPLE_SPAN = 1024  # logits per block of sample_kernel (kSampleSpan)
 
 
 @dataclass
@@ -266,6 +267,49 @@ class CudaOps:
         self._check(err, "fused SiLU * up")
         return out
 
+    # -- the step's own work: its inputs before the first layer, the head's output, sampling ----
+    def step_inputs(self, tok, pos, slot, embed, cos_t, sin_t, valid) -> tuple[torch.Tensor, ...]:
+        """(embed[tok], cos_t[pos], sin_t[pos]) for a step's rows, and valid[:, slot] = True (valid
+        holds the step's rows), in one launch: the same values as the index ops they replace."""
+        b, (h, d) = tok.shape[0], (embed.shape[1], cos_t.shape[1])
+        if not (embed.is_contiguous() and cos_t.is_contiguous() and sin_t.is_contiguous() and valid.stride(1) == 1
+                and tok.is_contiguous() and pos.is_contiguous() and valid.shape[0] == b):
+            raise ValueError("step_inputs needs contiguous tables, tokens and positions, and one valid row per token")
+        x = torch.empty(b, h, dtype=embed.dtype, device=embed.device)
+        cos, sin = (torch.empty(b, d, dtype=cos_t.dtype, device=cos_t.device) for _ in range(2))
+        err = self.lib.qerl_step_inputs(_ptr(tok), _ptr(pos), _ptr(slot), _ptr(embed), _ptr(cos_t), _ptr(sin_t),
+                                        _ptr(x), _ptr(cos), _ptr(sin), _ptr(valid), valid.stride(0), b, h, d,
+                                        self._stream(x))
+        self._check(err, "decode step inputs")
+        return x, cos, sin
+
+    def step_outputs(self, y: torch.Tensor, out: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor) -> None:
+        """out[:rows] = y (bf16 logits) as fp32, pos[:rows] += 1, slot += 1, in one launch."""
+        b, n = y.shape
+        if not (y.is_contiguous() and out.stride(1) == 1 and out.dtype == torch.float32 and out.shape[1] == n):
+            raise ValueError("step_outputs needs contiguous logits and an fp32 buffer of the same width")
+        err = self.lib.qerl_step_outputs(_ptr(y), _ptr(out), out.stride(0), _ptr(pos), _ptr(slot), b, n,
+                                         self._stream(y))
+        self._check(err, "decode step outputs")
+
+    def sample(self, logits: torch.Tensor, q: torch.Tensor | None, temperature: float,
+               tokens_into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, log-probs) as sampler.sample_next defines them, in one launch: with q (Exp(1)
+        draws, one per logit) token = argmax(logits / T - log q), else argmax(logits) at T = 1;
+        tokens_into[:rows] gets the tokens too."""
+        b, n = logits.shape
+        if logits.dtype != torch.float32 or logits.stride(1) != 1 or (q is not None and q.stride(1) != 1):
+            raise ValueError("the fused sampler needs fp32 logits with unit stride along the vocabulary")
+        tokens = torch.empty(b, dtype=torch.long, device=logits.device)
+        lp = torch.empty(b, dtype=torch.float32, device=logits.device)
+        ws = torch.empty(b * -(-n // SAMPLE_SPAN) * 4, dtype=torch.float32, device=logits.device)
+        tickets = self._shrink_tickets(logits.device, b)
+        err = self.lib.qerl_sample(_ptr(logits), logits.stride(0), _ptr(q), 0 if q is None else q.stride(0),
+                                   ctypes.c_float(temperature), _ptr(tokens), _ptr(lp), _ptr(tokens_into), _ptr(ws),
+                                   _ptr(tickets), b, n, self._stream(logits))
+        self._check(err, "fused sampler")
+        return tokens, lp
+
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _LORA = [_P, _P, _I, _I, _I, _I, _I]
@@ -278,6 +322,9 @@ _SIGNATURES = {
     "qerl_add_rmsnorm": [_P, _P, _P, *_LORA, _P, ctypes.c_float, _P, _I, _I, _P],
     "qerl_silu_mul": [_P, _P, *_LORA, _P, _I, _I, _P],
     "qerl_lora_expand": [_P, _P, *_LORA, _P, _I, _I, _I, _P],
+    "qerl_step_inputs": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, ctypes.c_longlong, _I, _I, _I, _P],
+    "qerl_step_outputs": [_P, _P, ctypes.c_longlong, _P, _P, _I, _I, _P],
+    "qerl_sample": [_P, ctypes.c_longlong, _P, ctypes.c_longlong, ctypes.c_float, _P, _P, _P, _P, _P, _I, _I, _P],
     "qerl_fused_error_string": [_I],
 }
 
@@ -288,6 +335,21 @@ def _library() -> ctypes.CDLL | None:
 
     return load_library(SOURCE, "qerl_fused_decode", FLAGS, "fused decode kernels", _SIGNATURES,
                         "qerl_fused_error_string", "torch ops")
+
+
+_DEVICE_OPS: dict[torch.device, CudaOps | None] = {}
+
+
+def cuda_ops(device: torch.device) -> CudaOps | None:
+    """One CudaOps per sm_90 GPU where fused_decode.cu builds (unless QERL_FUSED_DECODE=0), else None."""
+    if os.environ.get("QERL_FUSED_DECODE", "1") == "0" or device.type != "cuda":
+        return None
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    if device not in _DEVICE_OPS:
+        ok = torch.cuda.get_device_capability(device) == (9, 0)
+        lib = _library() if ok else None
+        _DEVICE_OPS[device] = CudaOps(lib) if lib is not None else None
+    return _DEVICE_OPS[device]
 
 
 def pick_ops(device: torch.device, dtype: torch.dtype, *, qk_norm: bool, head_dim: int,
