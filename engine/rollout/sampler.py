@@ -31,7 +31,8 @@ def sample_next(logits: torch.Tensor, *, temperature: float, top_p: float, top_k
     On an sm_90 GPU (``FUSED``) that case is one kernel after the draws: argmax(x / T - log q),
     the same argmax in logs (ties and last-bit roundings aside), and the log-prob from one pass."""
     truncated = 0 < top_k < logits.shape[-1] or top_p < 1.0
-    if FUSED and logits.is_cuda and logits.dtype == torch.float32 and not truncated:
+    if (FUSED and logits.is_cuda and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[0] > 0
+            and logits.stride(1) == 1 and not truncated):
         from engine.rollout.fused_ops import cuda_ops
 
         ops = cuda_ops(logits.device)
