@@ -17,8 +17,11 @@ kernels read them, LoRA, lm_head, KV) to give the bandwidth limit.
 ``--profile`` prints, for batch 1 and 8, where a few replayed decode steps spend their time
 (torch.profiler's kernel trace; each kernel's end minus the latest end before it, which with
 programmatic dependent launch is its share of the step), grouped by kind (GEMM, LoRA, attention,
-element-wise, sampling) and per position in a layer, and the wall time, GPU time, top kernels and
-top host ops of one eager prefill (and its wall time replayed from a graph, where small enough).
+element-wise, sampling), per position in a layer and, for the kernels outside the layers, per
+step; the wall time, GPU time, top kernels and top host ops of one eager prefill (and its wall
+time replayed from a graph, where small enough); and, timed without the profiler (CUDA events),
+the step's graph replayed back to back, the same with the sampler between replays, against the
+rollout's own ms per step: what sampling, the graph boundary and the host's reads add to a step.
 """
 from __future__ import annotations
 
@@ -174,7 +177,60 @@ def profile_steps(eng: GraphRollout, tok, prompts, args, steps: int = 16) -> dic
           flush=True)
     for x in layer:
         print(f"   {x['pos']:3d} {x['us']:7.2f} us  {x['kind']:<18} {x['kernel']}", flush=True)
-    return {"ms_per_step_by_kind": by_kind, "layer": layer}
+    layers = eng.cfg.num_layers
+    calls: dict[str, list[float]] = {}
+    for name, us in decode:
+        calls.setdefault(name, []).append(us)
+    # kernels that run fewer times a step than there are layers: the step's own (gathers, lm_head,
+    # copies, sampling), with their calls a step and us a step on the critical path
+    outside = [{"kernel": name[:90], "kind": kernel_kind(name), "calls": len(v) / steps, "us": sum(v) / steps}
+               for name, v in calls.items() if len(v) < (layers - 1) * steps]
+    outside.sort(key=lambda x: -x["us"])
+    print(f"   outside the layers (us a step on the critical path): {sum(x['us'] for x in outside):.1f}", flush=True)
+    for x in outside:
+        print(f"   {x['calls']:5.2f}/step {x['us']:8.2f} us  {x['kind']:<18} {x['kernel']}", flush=True)
+    return {"ms_per_step_by_kind": by_kind, "layer": layer, "outside": outside}
+
+
+def step_overhead(eng: GraphRollout, b: int, slot: int, replays: int = 128) -> dict:
+    """ms a step of the step's graph (bucket b, write column ``slot`` onwards) replayed back to
+    back, and the same with the sampler between replays (as a rollout runs it), timed by CUDA
+    events (wall clock on CPU) without the profiler. Leaves garbage in the cache."""
+    from engine.rollout.sampler import sample_next
+
+    cuda = eng.device.type == "cuda"
+    replays = max(1, min(replays, eng.max_len - slot - 1))
+    gen = torch.Generator(eng.device).manual_seed(0)
+    out = {}
+
+    def rewind():  # every replay moves the write column and the positions on by one
+        eng.slot.fill_(slot)
+        eng.pos.fill_(slot)
+
+    with torch.no_grad():
+        eng.refresh()
+        for mode in ("replay", "replay+sample"):
+            rewind()
+            eng._run_step(b, slot)  # captures the graph if it is new, outside the timing
+            rewind()
+            if cuda:
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                e0.record()
+            t0 = time.perf_counter()
+            for _ in range(replays):
+                if mode == "replay+sample":
+                    sample_next(eng.logits[:b], temperature=1.0, top_p=1.0, top_k=0, generator=gen, tokens_into=eng.tok)
+                eng._run_step(b, slot)  # the same graph: the attention length of the first column
+            if cuda:
+                e1.record()
+                torch.cuda.synchronize()
+                out[mode] = e0.elapsed_time(e1) / replays
+            else:
+                out[mode] = (time.perf_counter() - t0) * 1e3 / replays
+    print(f"step overhead B={b}: graph replays {out['replay']:.4f} ms a step, with the sampler between them "
+          f"{out['replay+sample']:.4f}", flush=True)
+    return out
 
 
 def profile_prefill(eng: GraphRollout, prompts) -> dict:
@@ -303,9 +359,12 @@ def run_config(model, method: str, size: str, r: int, b: int, args, log) -> dict
     best["reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0
     if args.bandwidth and b == 1:
         best["bytes"] = bytes_per_token(eng, b, max_len)
-    if args.profile and cuda and b in (1, 8):
-        best["profile"] = profile_steps(eng, tok, prompts, args)
-        best["profile_prefill"] = profile_prefill(eng, prompts)
+    if args.profile and b in (1, 8):
+        if cuda:
+            best["profile"] = profile_steps(eng, tok, prompts, args)
+            best["profile_prefill"] = profile_prefill(eng, prompts)
+        best["step_overhead"] = step_overhead(eng, b, args.prompt)
+        print(f"   a rollout's step: {best['ms_per_step']:.4f} ms", flush=True)
     del eng
     log(best)
     return best
@@ -324,7 +383,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--layers", type=int, default=0, help="override the layer count (quick runs)")
     ap.add_argument("--bandwidth", action="store_true")
-    ap.add_argument("--profile", action="store_true", help="GPU time by kernel kind at batch 1 and 8")
+    ap.add_argument("--profile", action="store_true",
+                    help="GPU time by kernel kind at batch 1 and 8, and what sampling adds to a step")
     ap.add_argument("--deadline", type=float, default=0, help="seconds; skip configs once past it")
     ap.add_argument("--json", default="")
     ap.add_argument("--device", default="cuda", help="cpu: a functional dry run (no timings worth reading)")

@@ -74,3 +74,27 @@ def test_gemm_benchmark_refuses_bad_kernels_before_timing(monkeypatch):
         monkeypatch.setattr(sys, "argv", ["gemm_nvfp4.py", "--variant", text])
         with pytest.raises(ValueError, match=message):
             gemm_nvfp4.main()
+
+
+
+def test_rollout_step_overhead_dry_run_on_cpu():
+    """benchmarks/rollout.py --profile's step timing (replays, and replays with the sampler
+    between them) on CPU: in a rollout's run, and asked for more replays than the cache has
+    columns left (it stops at the cache's end: past it the positions leave the RoPE tables)."""
+    from benchmarks import rollout
+    from engine.model.shapes import NumberTokenizer, build_random_model, shape_config
+    from engine.rollout import SamplingParams
+    from engine.rollout.cuda_graph import GraphRollout
+
+    model = build_random_model(shape_config("7b", hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                                            head_dim=32, intermediate_size=128, vocab_size=256),
+                               quantization="nvfp4", device="cpu")
+    rollout.set_lora(model, 4)
+    args = argparse.Namespace(prompt=6, gen=3, repeats=1, device="cpu", bandwidth=False, profile=True)
+    row = rollout.run_config(model, "nvfp4", "7b", 4, 1, args, lambda r: None)
+    assert set(row["step_overhead"]) == {"replay", "replay+sample"} and all(v > 0 for v in row["step_overhead"].values())
+    eng = GraphRollout(model, max_batch=2, max_len=16)
+    eng.generate(NumberTokenizer(), [[5, 6, 7]] * 2, SamplingParams(max_new_tokens=2, temperature=1.0,
+                                                                     eos_token_ids=[-1]))
+    over = rollout.step_overhead(eng, 2, 6, replays=128)
+    assert all(v > 0 for v in over.values()) and int(eng.slot) == 15 and eng.pos.max() == 15
