@@ -146,8 +146,8 @@ def critical_path(kernels: list[tuple[str, float, float]]) -> list[tuple[str, fl
 def profile_steps(eng: GraphRollout, tok, prompts, args, steps: int = 16) -> dict:
     """Where a replayed decode step's time goes: each kernel's share of the critical path
     (``critical_path``) over ``steps`` steps (a rollout of ``steps`` + 1 tokens minus the kernels of
-    one of 1 token, the prefill), by kind, and per position in a layer (from one attention
-    kernel to the next, averaged over layers and steps)."""
+    one of 1 token, the prefill), by kind, per position in a layer (from one attention kernel to
+    the next, averaged over layers and steps), and for the kernels outside the layers per step."""
     from torch.profiler import ProfilerActivity, profile
 
     def shares(n: int) -> list[tuple[str, float]]:
@@ -184,7 +184,7 @@ def profile_steps(eng: GraphRollout, tok, prompts, args, steps: int = 16) -> dic
     # kernels that run fewer times a step than there are layers: the step's own (gathers, lm_head,
     # copies, sampling), with their calls a step and us a step on the critical path
     outside = [{"kernel": name[:90], "kind": kernel_kind(name), "calls": len(v) / steps, "us": sum(v) / steps}
-               for name, v in calls.items() if len(v) < (layers - 1) * steps]
+               for name, v in calls.items() if len(v) < max(2, layers - 1) * steps]
     outside.sort(key=lambda x: -x["us"])
     print(f"   outside the layers (us a step on the critical path): {sum(x['us'] for x in outside):.1f}", flush=True)
     for x in outside:
