@@ -10,6 +10,10 @@ expand CudaOps does inside the epilogue kernel instead of as a matmul of its own
 Rows are decode rows (one token each): x (B, H), q (B, heads, D), caches (B_max, kv, S, D); a
 prefill passes ``seq`` tokens per sequence as consecutive rows (qkv_rope_cache writes them to
 columns slot .. slot + seq - 1 of their sequence's cache row).
+
+CudaOps also runs the step's own small work (``step_inputs``: the token embeddings, RoPE rows and
+the valid mask's new column; ``step_outputs``: the logits to fp32 and the counters moved on) and
+the sampler's kernel (``sample``, which sampler.sample_next calls through ``cuda_ops``).
 """
 from __future__ import annotations
 
