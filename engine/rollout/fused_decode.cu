@@ -421,28 +421,26 @@ struct SamplePart {
 
 __device__ __forceinline__ bool better(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
 
+// p := p combined with o: the larger max, the sums rescaled to it, the better (best, index).
+__device__ __forceinline__ void merge(SamplePart& p, const SamplePart& o) {
+  const float mm = fmaxf(p.m, o.m);
+  p.sum = (mm == -INFINITY) ? 0.f : p.sum * expf(p.m - mm) + o.sum * expf(o.m - mm);
+  p.m = mm;
+  if (better(o.best, o.idx, p.best, p.idx)) p.best = o.best, p.idx = o.idx;
+}
+
 // The block's (max, sum of exp(s - max), best, index) from each thread's; thread 0 gets it.
 __device__ SamplePart block_part(SamplePart p) {
   __shared__ SamplePart parts[kSampleThreads / 32];
   for (int o = 16; o > 0; o >>= 1) {
-    const float m = __shfl_xor_sync(0xffffffffu, p.m, o), sum = __shfl_xor_sync(0xffffffffu, p.sum, o);
-    const float bv = __shfl_xor_sync(0xffffffffu, p.best, o);
-    const int bi = __shfl_xor_sync(0xffffffffu, p.idx, o);
-    const float mm = fmaxf(p.m, m);
-    p.sum = (mm == -INFINITY) ? 0.f : p.sum * expf(p.m - mm) + sum * expf(m - mm);
-    p.m = mm;
-    if (better(bv, bi, p.best, p.idx)) p.best = bv, p.idx = bi;
+    const SamplePart q{__shfl_xor_sync(0xffffffffu, p.m, o), __shfl_xor_sync(0xffffffffu, p.sum, o),
+                       __shfl_xor_sync(0xffffffffu, p.best, o), __shfl_xor_sync(0xffffffffu, p.idx, o)};
+    merge(p, q);
   }
   if ((threadIdx.x & 31) == 0) parts[threadIdx.x >> 5] = p;
   __syncthreads();
   if (threadIdx.x == 0) {
-    for (int w = 1; w < kSampleThreads / 32; ++w) {
-      const SamplePart o = parts[w];
-      const float mm = fmaxf(p.m, o.m);
-      p.sum = (mm == -INFINITY) ? 0.f : p.sum * expf(p.m - mm) + o.sum * expf(o.m - mm);
-      p.m = mm;
-      if (better(o.best, o.idx, p.best, p.idx)) p.best = o.best, p.idx = o.idx;
-    }
+    for (int w = 1; w < kSampleThreads / 32; ++w) merge(p, parts[w]);
   }
   return p;
 }
@@ -485,11 +483,7 @@ __global__ void __launch_bounds__(kSampleThreads)
   SamplePart a{-INFINITY, 0.f, -INFINITY, 0x7fffffff};
   for (int b = threadIdx.x; b < nb; b += kSampleThreads) {
     const float4 w = __ldcg(reinterpret_cast<const float4*>(ws + r * nb + b));  // other blocks' writes: via L2
-    const SamplePart o{w.x, w.y, w.z, __float_as_int(w.w)};
-    const float mm = fmaxf(a.m, o.m);
-    a.sum = (mm == -INFINITY) ? 0.f : a.sum * expf(a.m - mm) + o.sum * expf(o.m - mm);
-    a.m = mm;
-    if (better(o.best, o.idx, a.best, a.idx)) a.best = o.best, a.idx = o.idx;
+    merge(a, SamplePart{w.x, w.y, w.z, __float_as_int(w.w)});
   }
   a = block_part(a);
   if (threadIdx.x == 0) {
