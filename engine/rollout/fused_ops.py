@@ -125,7 +125,8 @@ class CudaOps:
         self._tickets: dict[torch.device, torch.Tensor] = {}
 
     def _shrink_tickets(self, device: torch.device, n: int) -> torch.Tensor:
-        """The shrink's zeroed tickets (each call leaves them zero), made once per device (on the
+        """The zeroed tickets of the shrinks and the sampler (each call leaves them zero; calls on
+        one stream never overlap), made once per device (on the
         first call, which runs before a graph capture: the engine warms up eagerly) and grown on demand."""
         t = self._tickets.get(device)
         if t is None or t.numel() < n:
