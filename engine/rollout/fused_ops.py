@@ -126,8 +126,8 @@ class CudaOps:
 
     def _shrink_tickets(self, device: torch.device, n: int) -> torch.Tensor:
         """The zeroed tickets of the shrinks and the sampler (each call leaves them zero; calls on
-        one stream never overlap), made once per device (on the
-        first call, which runs before a graph capture: the engine warms up eagerly) and grown on demand."""
+        one stream never overlap), made once per device (on the first call, which runs before a
+        graph capture: the engine warms up eagerly) and grown on demand."""
         t = self._tickets.get(device)
         if t is None or t.numel() < n:
             if torch.cuda.is_current_stream_capturing():  # a captured zero fill runs only at replay
