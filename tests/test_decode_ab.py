@@ -76,7 +76,6 @@ def test_gemm_benchmark_refuses_bad_kernels_before_timing(monkeypatch):
             gemm_nvfp4.main()
 
 
-
 def test_rollout_step_overhead_dry_run_on_cpu():
     """benchmarks/rollout.py --profile's step timing (replays, and replays with the sampler
     between them) on CPU: in a rollout's run, and asked for more replays than the cache has
@@ -92,7 +91,8 @@ def test_rollout_step_overhead_dry_run_on_cpu():
     rollout.set_lora(model, 4)
     args = argparse.Namespace(prompt=6, gen=3, repeats=1, device="cpu", bandwidth=False, profile=True)
     row = rollout.run_config(model, "nvfp4", "7b", 4, 1, args, lambda r: None)
-    assert set(row["step_overhead"]) == {"replay", "replay+sample"} and all(v > 0 for v in row["step_overhead"].values())
+    over = row["step_overhead"]
+    assert set(over) == {"replay", "replay+sample"} and all(v > 0 for v in over.values())
     eng = GraphRollout(model, max_batch=2, max_len=16)
     eng.generate(NumberTokenizer(), [[5, 6, 7]] * 2, SamplingParams(max_new_tokens=2, temperature=1.0,
                                                                      eos_token_ids=[-1]))

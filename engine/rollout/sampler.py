@@ -30,9 +30,8 @@ def sample_next(logits: torch.Tensor, *, temperature: float, top_p: float, top_k
     vocabulary (one block per row there: ~35 us per softmax at batch 1 for a 152k vocabulary).
     On an sm_90 GPU (``FUSED``) that case is one kernel after the draws: argmax(x / T - log q),
     the same argmax in logs (ties and last-bit roundings aside), and the log-prob from one pass."""
-    truncated = 0 < top_k < logits.shape[-1] or top_p < 1.0
     if (FUSED and logits.is_cuda and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[0] > 0
-            and logits.stride(1) == 1 and not truncated):
+            and logits.stride(1) == 1 and not _truncates(top_k, top_p, logits.shape[-1])):
         from engine.rollout.fused_ops import cuda_ops
 
         ops = cuda_ops(logits.device)
@@ -43,6 +42,11 @@ def sample_next(logits: torch.Tensor, *, temperature: float, top_p: float, top_k
     if tokens_into is not None:
         tokens_into[:tokens.shape[0]].copy_(tokens)
     return tokens, lp
+
+
+def _truncates(top_k: int, top_p: float, vocab: int) -> bool:
+    """Whether top-k or top-p drops any token of a ``vocab``-wide row."""
+    return 0 < top_k < vocab or top_p < 1.0
 
 
 def _exponential(shape: torch.Size, device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
@@ -61,7 +65,7 @@ def _sample_torch(logits: torch.Tensor, *, temperature: float, top_p: float, top
     shifted = scaled - scaled.amax(dim=-1, keepdim=True)
     exp = shifted.exp()
     weights = exp
-    if 0 < top_k < scaled.shape[-1] or top_p < 1.0:
+    if _truncates(top_k, top_p, scaled.shape[-1]):
         filtered = scaled
         if 0 < top_k < scaled.shape[-1]:
             kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]  # (B, 1)
