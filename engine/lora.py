@@ -5,9 +5,18 @@ A is kaiming-uniform (a = sqrt(5)), B is zero: PEFT's default, so a fresh adapte
 
 Precision: A and B are fp32 parameters and the LoRA branch runs in fp32 (x is cast up, the
 sum base + delta is formed in fp32, then cast back to the activation dtype). At the QeRL
-learning rate (1e-5) a bf16 parameter would round most AdamW updates away; the rank-r matmuls
-are a few percent of the layer's cost. This is also exactly what PEFT does when it loads our
-fp32 adapter on a bf16 base (it computes in the adapter's dtype), so the two agree closely.
+learning rate (1e-5) a bf16 parameter would round most AdamW updates away. This is also exactly
+what PEFT does when it loads our fp32 adapter on a bf16 base (it computes in the adapter's
+dtype), so the two agree closely.
+
+On a GPU the branch of a bf16 model keeps that precision with fewer passes over the
+layer-sized tensors (``_Branch``): each fp32 operand of a rank-r product is split into bf16
+(hi, lo) pieces (16 of fp32's 24 significand bits), so the products run as bf16 tensor-core
+GEMMs with fp32 sums (each within ~2^-16 of fp32's) and no fp32 copy of x or of the gradients;
+the delta joins the base output in the last GEMM's epilogue (``BRANCH_ADD``: that epilogue may
+round it to bf16 first, one bf16 step at most; "add" keeps the fp32 formula's single rounding).
+Written the plain way (casts, the scaling, the fp32 sum and their gradients) the branch took
+most of the learner's time outside the base GEMMs (benchmarks/learner.py; benchmarks/RESULTS.md).
 
 ``lora_disabled(model)`` switches every adapter off: the frozen base is the reference policy
 without a second copy of the weights.
@@ -17,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 from contextlib import contextmanager
+from functools import lru_cache
 from pathlib import Path
 from typing import Iterator
 
@@ -58,9 +68,121 @@ class LoRALinear(nn.Module):
         y = self.base(x)
         if self.disabled:
             return y
-        xa = self.dropout(x).to(self.lora_A.dtype)
+        xd = self.dropout(x)
+        if _split_branch(xd, y, self.lora_A, self.lora_B):
+            return _Branch.apply(xd, y, self.lora_A, self.lora_B, self.scaling)
+        xa = xd.to(self.lora_A.dtype)
         delta = F.linear(F.linear(xa, self.lora_A), self.lora_B) * self.scaling
         return (y.to(delta.dtype) + delta).to(x.dtype)
+
+
+# Where the LoRA branch runs as bf16-piece GEMMs (_Branch): "auto" on CUDA, "on" on every device
+# (the CPU then emulates the bf16 GEMMs' fp32 sums: tests), "off" nowhere.
+SPLIT_BRANCH = "auto"
+
+
+def split_bf16(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``t`` as bf16 (hi, lo) with hi + lo = t to ~2^-17 relative (16 of fp32's 24
+    significand bits; t - hi is exact in fp32)."""
+    hi = t.to(torch.bfloat16)
+    return hi, (t - hi).to(torch.bfloat16)
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b of bf16 matrices with fp32 sums and an fp32 result (cuBLAS on CUDA, fp32 on CPU)."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+def _halves_sum(p: torch.Tensor, dim: int) -> torch.Tensor:
+    """The sum of p's two halves along dim: a product over (hi, lo) pieces."""
+    first, second = p.chunk(2, dim=dim)
+    return first + second
+
+
+def _pieces(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """fp32 t's pieces side by side along dim as [hi, lo, hi]: times [hi', hi', lo'] of another
+    fp32 operand they give hi hi' + lo hi' + hi lo', the product to ~2^-16 relative; their first
+    two thirds [hi, lo] times an exact bf16 operand give t's product to ~2^-17."""
+    hi, lo = split_bf16(t)
+    return torch.cat([hi, lo, hi], dim=dim)
+
+
+def _pairs(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """fp32 t's pieces as [hi, hi, lo] along dim (the partner of ``_pieces``); the last two
+    thirds [hi, lo] are t's (hi, lo) pair."""
+    hi, lo = split_bf16(t)
+    return torch.cat([hi, hi, lo], dim=dim)
+
+
+@lru_cache(maxsize=None)
+def _mm_f32_works(device: str) -> bool:
+    try:
+        x = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+        return bool(torch.equal(_mm_f32(x, x), torch.full((2, 2), 2.0, device=device)))
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _split_branch(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    if SPLIT_BRANCH == "off" or (SPLIT_BRANCH == "auto" and not x.is_cuda):
+        return False
+    if not (x.dtype == y.dtype == torch.bfloat16 and a.dtype == b.dtype == torch.float32):
+        return False
+    return not x.is_cuda or _mm_f32_works(str(x.device))
+
+
+# How _Branch adds the delta to the base output. "addmm": cuBLAS's epilogue adds y (after a copy
+# of y), but on the H200 it rounds the product to bf16 before the add, so 8-24% of outputs of a
+# test whose delta is as large as y were one bf16 step from the fp32 formula (the rounding a bf16
+# adapter's delta gets; an adapter's delta is mostly far smaller than y). "add": the delta in
+# fp32, then y + delta rounded once (0.06-0.3% differ, from the pieces): a 7B learner micro-batch
+# took 765 ms against addmm's 632 (H200, benchmarks/learner.py).
+BRANCH_ADD = "addmm"
+
+
+class _Branch(torch.autograd.Function):
+    """bf16(y + (x @ A^T) @ B^T * scaling), y the base output, with every product a bf16 GEMM
+    over (hi, lo) pieces of its fp32 operands (``_pieces``, ``_pairs``) and fp32 sums:
+    u = x @ [A hi; A lo]^T, halves added; u_s = u * scaling; y + [u_s hi, u_s hi, u_s lo] @
+    [B hi, B lo, B hi]^T (BRANCH_ADD says how the sum is rounded). Backward, with g = dL/dout
+    (bf16: exact as an operand): g_u = g @ [B hi, B lo] * scaling; dL/dx = [g_u hi, g_u hi,
+    g_u lo] @ [A hi; A lo; A hi] rounded once; dL/dA = [g_u hi, g_u lo]^T @ x and dL/dB = g^T @
+    [u_s hi, u_s lo], halves added; dL/dy = g. Each product is within ~2^-16 of fp32's."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,  # type: ignore[override]
+                scaling: float) -> torch.Tensor:
+        x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+        r = a.shape[0]
+        ap, bp = _pieces(a, 0), _pieces(b, 1)  # (3r, K), (N, 3r)
+        us = _halves_sum(_mm_f32(x2, ap[:2 * r].t()), 1) * scaling  # (T, r)
+        left = _pairs(us, 1)  # (T, 3r)
+        if BRANCH_ADD == "addmm":
+            out = torch.addmm(y2, left, bp.t())
+        else:
+            out = torch.empty_like(y2)
+            torch.add(y2, _mm_f32(left, bp.t()), out=out)
+        ctx.save_for_backward(x, ap, bp, left)
+        ctx.scaling = scaling
+        return out.view(y.shape)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        x, ap, bp, left = ctx.saved_tensors
+        r = ap.shape[0] // 3
+        g2 = g.reshape(-1, g.shape[-1])
+        grad_x = grad_a = grad_b = None
+        if ctx.needs_input_grad[3]:
+            grad_b = _halves_sum(_mm_f32(g2.t(), left[:, r:]), 1)  # (N, r)
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[2]:
+            gu = _pairs(_halves_sum(_mm_f32(g2, bp[:, :2 * r]), 1) * ctx.scaling, 1)  # (T, 3r)
+            if ctx.needs_input_grad[0]:
+                grad_x = torch.mm(gu, ap).view(x.shape)
+            if ctx.needs_input_grad[2]:
+                grad_a = _halves_sum(_mm_f32(gu[:, r:].t(), x.reshape(-1, x.shape[-1])), 0)  # (r, K)
+        return grad_x, g, grad_a, grad_b, None
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:

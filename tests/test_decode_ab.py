@@ -98,3 +98,20 @@ def test_rollout_step_overhead_dry_run_on_cpu():
                                                                      eos_token_ids=[-1]))
     over = rollout.step_overhead(eng, 2, 6, replays=128)
     assert all(v > 0 for v in over.values()) and int(eng.slot) == 15 and eng.pos.max() == 15
+
+
+@pytest.mark.parametrize("branch", ["on", "off"])
+def test_learner_dry_run_on_cpu(monkeypatch, branch):
+    """benchmarks/learner.py on CPU with a tiny shape, the LoRA branch as bf16 pieces ("on": the
+    GPU's way, emulated) and in fp32: one timed micro-batch of ragged rows."""
+    import engine.lora
+    from benchmarks import learner
+
+    monkeypatch.setattr(engine.lora, "SPLIT_BRANCH", engine.lora.SPLIT_BRANCH)
+    args = argparse.Namespace(
+        layers=1, micro_batch=3, prompt=5, gen=6, rank=4, chunk=7, repeats=1, ragged=True, profile=False, top=5,
+        device="cpu", lora_branch=branch, branch_add="addmm",
+        shape="hidden_size=64,num_heads=2,num_kv_heads=1,head_dim=32,intermediate_size=128,vocab_size=256")
+    engine.lora.SPLIT_BRANCH = branch
+    row = learner.one("7b", "nvfp4", args)
+    assert row["tokens"] == 33 and row["ms"] > 0 and row["lora_branch"] == branch

@@ -142,3 +142,80 @@ def test_state_dict_round_trip_and_mismatch_errors(tiny, tmp_path):
         load_adapter_state_dict(wrong, sd)
     with pytest.raises(ValueError, match="already has LoRA"):
         apply_lora(a, spec)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+@pytest.mark.parametrize("add", ["addmm", "add"])
+@pytest.mark.parametrize("t,k,n", [(37, 64, 96), (5, 200, 24), (300, 512, 1536)])
+def test_split_branch_matches_the_fp32_branch(monkeypatch, device, add, t, k, n):
+    """The LoRA branch as bf16-piece GEMMs (what a GPU runs; on the CPU with fp32 sums in their
+    place) against the plain fp32 branch, forward and backward, on fresh random data with a delta
+    as large as the base output: every output within one bf16 step of the fp32 formula's (of
+    |y| + |delta|: the "addmm" epilogue may round the delta before adding it), and with "add" all
+    but a few equal (those whose sum lies within the pieces' ~2^-16 of a rounding boundary); dL/dx
+    within one bf16 step of its largest value (the base's and the branch's parts are rounded, then
+    added); dL/dA and dL/dB to ~2^-16 (fp32: 2^-24)."""
+    import engine.lora as lora
+    from engine.quant.base import BF16Linear
+
+    g = torch.Generator().manual_seed(t + k + n)
+    base = BF16Linear((0.05 * torch.randn(n, k, generator=g)).to(torch.bfloat16), None).to(device)
+    m = lora.LoRALinear(base, LoraSpec(r=16, alpha=32), generator=g)
+    with torch.no_grad():
+        m.lora_B.copy_(0.05 * torch.randn(n, 16, generator=g))
+    x0 = torch.randn(2, t, k, generator=g).to(torch.bfloat16).to(device)
+    gy = torch.randn(2, t, n, generator=g).to(torch.bfloat16).to(device)
+    monkeypatch.setattr(lora, "BRANCH_ADD", add)
+    res = {}
+    for mode in ("off", "on"):
+        monkeypatch.setattr(lora, "SPLIT_BRANCH", mode)
+        assert lora._split_branch(x0, x0, m.lora_A, m.lora_B) == (mode == "on")
+        x = x0.clone().requires_grad_(True)
+        m.zero_grad(set_to_none=True)
+        y = m(x)
+        (y.float() * gy.float()).sum().backward()
+        res[mode] = [y.detach().float(), x.grad.float(), m.lora_A.grad.clone(), m.lora_B.grad.clone()]
+    ref, got = res["off"], res["on"]
+    with torch.no_grad():
+        y_base = base(x0).float()
+        scale = y_base.abs() + (ref[0] - y_base).abs()  # |y| + |delta|, to within rounding
+    diff = (got[0] - ref[0]).abs()
+    assert bool((diff <= scale * 2.0**-7 + 1e-30).all()), (diff / scale).max()  # a bf16 step: 2^-8..2^-7
+    if add == "add":
+        assert (diff > 0).float().mean() < 0.02, (diff > 0).float().mean()
+    diff = (got[1] - ref[1]).abs()
+    assert diff.max() <= ref[1].abs().max() * 2.0**-7, diff.max()
+    for i in (2, 3):
+        assert ((got[i] - ref[i]).abs().max() / ref[i].abs().max()) < 4e-5
+
+
+def test_split_branch_through_a_checkpointed_model(monkeypatch):
+    """A bf16 model's learner pass (checkpointed layers recomputed in backward, ragged rows) with
+    the branch as bf16 pieces against the fp32 branch: the same log-probs to bf16 rounding through
+    two layers, the same LoRA gradients to a few parts in a thousand."""
+    import engine.lora as lora
+    from engine.model.shapes import build_random_model, shape_config
+
+    cfg = shape_config("7b", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
+                       intermediate_size=128, vocab_size=256)
+    model = build_random_model(cfg, quantization="nvfp4", device="cpu", seed=3)
+    apply_lora(model, LoraSpec(r=4), seed=3)
+    _randomize(model, seed=3)
+    model.gradient_checkpointing = True
+    ids = torch.randint(1, 256, (3, 12), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0
+    res = {}
+    for mode in ("off", "on"):
+        monkeypatch.setattr(lora, "SPLIT_BRANCH", mode)
+        logp, _ = model.token_logprobs(ids, mask, chunk_size=5, from_position=2)
+        (logp * mask[:, 1:]).sum().backward()
+        res[mode] = logp.detach(), torch.cat([p.grad.flatten() for p in adapter_params(model)])
+        model.zero_grad(set_to_none=True)
+    (ref_lp, ref_g), (lp, g) = res["off"], res["on"]
+    real = mask[:, 1:].bool()
+    real[:, :2] = False
+    assert (lp - ref_lp)[real].abs().max() < 0.02
+    assert torch.nn.functional.cosine_similarity(g, ref_g, dim=0) > 0.9999
+    assert (g.norm() / ref_g.norm() - 1).abs() < 3e-3
