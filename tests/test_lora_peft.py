@@ -193,7 +193,7 @@ def test_split_branch_matches_the_fp32_branch(monkeypatch, device, add, t, k, n)
 def test_split_branch_through_a_checkpointed_model(monkeypatch):
     """A bf16 model's learner pass (checkpointed layers recomputed in backward, ragged rows) with
     the branch as bf16 pieces against the fp32 branch: the same log-probs to bf16 rounding through
-    two layers, the same LoRA gradients to a few parts in a thousand."""
+    two layers, the same LoRA gradients to about a part in a thousand."""
     import engine.lora as lora
     from engine.model.shapes import build_random_model, shape_config
 
