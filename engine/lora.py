@@ -134,9 +134,9 @@ def _split_branch(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Te
 
 
 # How _Branch adds the delta to the base output. "addmm": cuBLAS's epilogue adds y (after a copy
-# of y), but on the H200 it rounds the product to bf16 before the add, so 8-24% of outputs of a
-# test whose delta is as large as y were one bf16 step from the fp32 formula (the rounding a bf16
-# adapter's delta gets; an adapter's delta is mostly far smaller than y). "add": the delta in
+# of y), but on the H200 8-24% of outputs of a test whose delta is as large as y were one bf16
+# step from the fp32 formula, as if the product were rounded to bf16 before the add (the rounding
+# a bf16 adapter's delta gets; an adapter's delta is mostly far smaller than y). "add": the delta in
 # fp32, then y + delta rounded once (0.06-0.3% differ, from the pieces): a 7B learner micro-batch
 # took 765 ms against addmm's 632 (H200, benchmarks/learner.py).
 BRANCH_ADD = "addmm"
