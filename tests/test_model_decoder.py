@@ -180,3 +180,31 @@ def test_gradient_checkpointing_gives_same_gradients(tiny_dirs):
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     assert all(not p.requires_grad for n, p in m.named_parameters() if "lora_" not in n)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_right_padded_rows_take_the_causal_kernel_and_match_transformers(tiny_dirs, arch, monkeypatch):
+    """Rows padded on the right only (the learner's batches) build no mask (the causal kernel
+    runs) and give transformers' fp32 logits at every token; a left-padded row still builds one."""
+    import engine.model.decoder as dec
+
+    calls = []
+    real_mask = dec._mask
+    monkeypatch.setattr(dec, "_mask", lambda *a: calls.append(a) or real_mask(*a))
+    d = tiny_dirs[arch]
+    ids = _ids(3, 12, 5)
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[0, 7:] = 0
+    mask[2, 10:] = 0
+    real = mask.bool()
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    ours, _ = load_model(str(d), quantization="bf16", dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=mask).logits
+        got = ours.logits(ours(ids, mask)).float()
+        assert not calls
+        left = mask.flip(1)
+        ours(ids, left)
+        assert len(calls) == 1
+    torch.testing.assert_close(got[real], ref[real], atol=2e-5, rtol=1e-5)
+    assert torch.isfinite(got).all()

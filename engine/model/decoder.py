@@ -1,8 +1,11 @@
 """CausalLM: the compact decoder the trainer and the native sampler share.
 
 Padding: ``attention_mask`` (B, T) with 1 = token, 0 = pad, on either side; positions are
-per sequence (cumsum of the mask), as Hugging Face computes them. Pad queries attend to
-themselves only, so their (unused) outputs stay finite and never leak into real tokens.
+per sequence (cumsum of the mask), as Hugging Face computes them. With padding before or between
+tokens an explicit mask keeps pads from real tokens, and pad queries attend to themselves only,
+so their (unused) outputs stay finite. Where every row is right-padded the causal mask alone
+does that for the real tokens (pads come after them), so no mask is built and the causal kernel
+runs; the pads' own outputs (unused) then see the tokens before them.
 
 ``token_logprobs`` never materialises [B*T, V] fp32 logits: it runs the head in row chunks,
 each under activation checkpointing when gradients are on, so backward recomputes one
@@ -77,7 +80,11 @@ class CausalLM(nn.Module):
         else:
             m = attention_mask.to(torch.bool)
             pos = (torch.cumsum(m.long(), dim=1) - 1).clamp(min=0)  # (B, T)
-            mask = None if bool(m.all()) else _mask(m, t, 0)
+            # Rows whose tokens all come before their padding (right padding, as the learner's
+            # batches are laid out): a query at a token sees only tokens under the causal mask
+            # alone, so the causal kernel (flash on a GPU) replaces the masked one; only the pad
+            # positions' outputs differ, and nothing reads them.
+            mask = None if _right_padded(m) else _mask(m, t, 0)
         cos, sin = rope_cos_sin(self.inv_freq, pos, self.dtype)
         x = self.model.embed_tokens(input_ids)  # (B, T, H)
         ckpt = self.gradient_checkpointing and torch.is_grad_enabled() and cache is None
@@ -128,6 +135,11 @@ def _head_logprobs(h: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
     logp = logp_all.gather(-1, y[:, None]).squeeze(-1)
     ent = -(logp_all.exp() * logp_all).sum(-1)
     return logp, ent
+
+
+def _right_padded(valid: torch.Tensor) -> bool:
+    """Whether every row of the (B, T) bool mask is its tokens then its padding (no gaps)."""
+    return bool((valid[:, 1:] <= valid[:, :-1]).all())
 
 
 def _mask(key_valid: torch.Tensor, t: int, start: int) -> torch.Tensor:
