@@ -72,9 +72,8 @@ def _profile(fn, top: int) -> dict:
 
 def one(size: str, method: str, args) -> dict:  # noqa: ANN001
     row: dict = {"size": size, "method": method, "lora_branch": args.lora_branch, "branch_add": args.branch_add,
-                 "layers": args.layers,
-                 "rows": args.micro_batch,
-                 "tokens": args.micro_batch * (args.prompt + args.gen), "ragged": args.ragged}
+                 "layers": args.layers, "rows": args.micro_batch, "tokens": args.micro_batch * (args.prompt + args.gen),
+                 "ragged": args.ragged}
     over = {k: ast.literal_eval(v) for k, v in (x.split("=") for x in args.shape.split(",") if x)}
     if args.layers:
         over["num_layers"] = args.layers

@@ -107,11 +107,10 @@ def test_learner_dry_run_on_cpu(monkeypatch, branch):
     import engine.lora
     from benchmarks import learner
 
-    monkeypatch.setattr(engine.lora, "SPLIT_BRANCH", engine.lora.SPLIT_BRANCH)
+    monkeypatch.setattr(engine.lora, "SPLIT_BRANCH", branch)  # what learner.main sets from --lora-branch
     args = argparse.Namespace(
         layers=1, micro_batch=3, prompt=5, gen=6, rank=4, chunk=7, repeats=1, ragged=True, profile=False, top=5,
         device="cpu", lora_branch=branch, branch_add="addmm",
         shape="hidden_size=64,num_heads=2,num_kv_heads=1,head_dim=32,intermediate_size=128,vocab_size=256")
-    engine.lora.SPLIT_BRANCH = branch
     row = learner.one("7b", "nvfp4", args)
     assert row["tokens"] == 33 and row["ms"] > 0 and row["lora_branch"] == branch
