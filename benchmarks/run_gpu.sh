@@ -7,7 +7,7 @@
 # Usage (repository root, on the GPU machine): OUT=dir BUDGET=540 [STAGES="tests rollout"] bash benchmarks/run_gpu.sh
 set -u
 OUT=${OUT:-out}; BUDGET=${BUDGET:-540}; mkdir -p "$OUT"
-STAGES=${STAGES:-"tests rollout rollout1024 bigbatch rank64 hf attention gemm patterns rlstep"}
+STAGES=${STAGES:-"tests rollout rollout1024 bigbatch rank64 hf attention gemm patterns learner rlstep"}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 QERL_CACHE_DIR=${QERL_CACHE_DIR:-$PWD/.gpucache}
 left() { echo $((BUDGET - SECONDS)); }
 wanted() { [[ " $STAGES " == *" $1 "* ]]; }
@@ -22,7 +22,8 @@ stage() {
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/smi.txt" 2>&1
 stage tests 150 python3 -m pytest tests/test_gpu_path.py tests/test_rollout_cuda_graph.py tests/test_kernels_gpu.py \
-  tests/test_fused_decode_gpu.py tests/test_decode_attention_gpu.py -q -p no:cacheprovider --noconftest
+  tests/test_fused_decode_gpu.py tests/test_decode_attention_gpu.py \
+  tests/test_lora_peft.py::test_split_branch_matches_the_fp32_branch -q -p no:cacheprovider --noconftest
 stage rollout 300 bash -c 'python3 benchmarks/rollout.py --deadline $DEADLINE --sizes 7b,32b --methods nvfp4,bf16,nf4 \
   --batches 1,8 --ranks 16 --gen 256 --bandwidth --json '"$OUT"'/rollout.json'
 stage rollout1024 300 bash -c 'python3 benchmarks/rollout.py --deadline $DEADLINE --sizes 7b,14b,32b \
@@ -37,6 +38,8 @@ stage attention 90 python3 benchmarks/decode_attention.py --json "$OUT/attention
 stage gemm 200 python3 benchmarks/gemm_nvfp4.py --json "$OUT/gemm.json"
 stage patterns 90 bash -c 'b=$(mktemp -d)/read_patterns; nvcc -O3 -std=c++17 -arch=sm_90a -o "$b" \
   benchmarks/read_patterns.cu && "$b"'
+stage learner 120 python3 benchmarks/learner.py --sizes 7b,32b --layers 16 --methods nvfp4,bf16 \
+  --json "$OUT/learner.json"
 stage rlstep 300 bash -c 'python3 benchmarks/rl_step.py --deadline $DEADLINE --sizes 32b,72b --methods nvfp4 \
   --gen 1024 --json '"$OUT"'/rl_step.json'
 echo "elapsed ${SECONDS}s"
