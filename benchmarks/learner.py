@@ -23,7 +23,8 @@ import torch
 
 from engine.lora import adapter_params, apply_lora
 from engine.model.shapes import build_random_model, shape_config
-from engine.spec import LoraSpec
+from engine.rl.loss import loss_denominator, policy_loss
+from engine.spec import LoraSpec, RLSpec
 
 
 def _batch(cfg, rows: int, prompt: int, gen: int, ragged: bool, device: str):  # noqa: ANN001, ANN202
@@ -45,9 +46,10 @@ def _batch(cfg, rows: int, prompt: int, gen: int, ragged: bool, device: str):  #
 
 
 def _micro_batch(model, ids, mask, loss_mask, adv, prompt: int, chunk: int) -> None:  # noqa: ANN001
+    """rl_step.py's learner pass for one micro-batch: log-probs, the DAPO loss, backward."""
+    spec = RLSpec(mask_truncated=False)
     logp, _ = model.token_logprobs(ids, mask, from_position=prompt - 1, chunk_size=chunk)
-    ratio = torch.exp(logp - logp.detach())
-    loss = -(ratio * adv[:, None] * loss_mask).sum() / loss_mask.sum()
+    loss, _ = policy_loss(logp, logp.detach(), adv, loss_mask, spec, denominator=loss_denominator(loss_mask, spec))
     loss.backward()
 
 
