@@ -6,7 +6,9 @@ chunks), policy loss and backward into the LoRA, as benchmarks/rl_step.py runs i
 Random weights in Qwen2.5 shapes (``--layers`` cuts the depth for a quick run, the head and
 embeddings stay; ``--shape`` overrides other fields), random token ids. ``--ragged``: the rows'
 completions end at different lengths (right padding, as engine.train_batch lays them out)
-instead of all at the limit. ``--lora-branch off`` times the LoRA branch written in fp32.
+instead of all at the limit. ``--lora-branch off`` times the LoRA branch written in fp32. The
+adapter's weight pieces are held over the timed micro-batches, as a step holds them over its own
+(engine.lora.held_pieces).
 
     python3 benchmarks/learner.py --sizes 7b --methods nvfp4,bf16 --layers 8 --profile
 """
@@ -21,7 +23,7 @@ from collections import defaultdict
 
 import torch
 
-from engine.lora import adapter_params, apply_lora
+from engine.lora import adapter_params, apply_lora, held_pieces
 from engine.model.shapes import build_random_model, shape_config
 from engine.rl.loss import loss_denominator, policy_loss
 from engine.spec import LoraSpec, RLSpec
@@ -91,23 +93,24 @@ def one(size: str, method: str, args) -> dict:  # noqa: ANN001
     step = lambda: _micro_batch(model, ids, mask, loss_mask, adv, args.prompt, args.chunk)  # noqa: E731
     cuda = torch.device(args.device).type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    step()  # warm-up: kernels built, workspaces made
-    sync()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated() if cuda else 0
-    times = []
-    for _ in range(args.repeats):
-        t = time.perf_counter()
-        step()
+    with held_pieces(model):  # as a step holds them over its micro-batches (engine.train_loop)
+        step()  # warm-up: kernels built, workspaces made (and the LoRA weights' pieces)
         sync()
-        times.append(time.perf_counter() - t)
-    times.sort()
-    row["ms"] = times[len(times) // 2] * 1e3
-    row["tok_s"] = row["tokens"] / times[len(times) // 2]
-    row["peak_extra_gb"] = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else 0.0
-    if args.profile and cuda:
-        row["profile"] = _profile(step, args.top)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() if cuda else 0
+        times = []
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            step()
+            sync()
+            times.append(time.perf_counter() - t)
+        times.sort()
+        row["ms"] = times[len(times) // 2] * 1e3
+        row["tok_s"] = row["tokens"] / times[len(times) // 2]
+        row["peak_extra_gb"] = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else 0.0
+        if args.profile and cuda:
+            row["profile"] = _profile(step, args.top)
     for p in adapter_params(model):
         p.grad = None
     del model

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from engine.lora import adapter_params, apply_lora
+from engine.lora import adapter_params, apply_lora, held_pieces
 from engine.model.shapes import NumberTokenizer, build_random_model, shape_config
 from engine.optim import build_optimizer, uses_eight_bit
 from engine.rl.advantages import group_advantages
@@ -66,12 +66,13 @@ def one_step(size: str, method: str, args) -> dict:
     batch = build_batch(comps, adv, pad_id=0, device="cuda")
     denom = loss_denominator(batch.loss_mask, spec, truncated=batch.truncated)
     model.train()
-    for mb in batch.split(args.micro_batch):
-        logp, _ = model.token_logprobs(mb.input_ids, mb.attention_mask, from_position=mb.first_col,
-                                       chunk_size=args.chunk)
-        loss, _ = policy_loss(logp, logp.detach(), mb.advantages, mb.loss_mask, spec, sampler_logp=mb.sampler_logp,
-                              truncated=mb.truncated, denominator=denom)
-        loss.backward()
+    with held_pieces(model):  # as engine.train_loop: the adapter changes only at the optimizer step
+        for mb in batch.split(args.micro_batch):
+            logp, _ = model.token_logprobs(mb.input_ids, mb.attention_mask, from_position=mb.first_col,
+                                           chunk_size=args.chunk)
+            loss, _ = policy_loss(logp, logp.detach(), mb.advantages, mb.loss_mask, spec,
+                                  sampler_logp=mb.sampler_logp, truncated=mb.truncated, denominator=denom)
+            loss.backward()
     torch.nn.utils.clip_grad_norm_(adapter_params(model), 0.2)
     opt.step()
     opt.zero_grad(set_to_none=True)

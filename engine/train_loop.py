@@ -284,7 +284,7 @@ class _Run:
             return self._train_on_batch(batch, norms, noise, n_updates)
 
     def _train_on_batch(self, batch: RolloutBatch, norms: list, noise: list, n_updates: int) -> dict[str, float]:
-        from engine.lora import lora_disabled
+        from engine.lora import held_pieces, lora_disabled
         from engine.optim import clip_grad_norm
 
         spec = self.spec
@@ -300,23 +300,25 @@ class _Run:
             if spec.aqn.apply_in_training:
                 _set_noise(norms, noise)
             if spec.rl.mu > 1:
-                for mb in mbs:
-                    mb.old_logp = self._logprobs(mb)[0]
+                with held_pieces(self.model):
+                    for mb in mbs:
+                        mb.old_logp = self._logprobs(mb)[0]
         self.model.train()
         out: dict[str, float] = {}
         for _ in range(n_updates):
             self.optimizer.zero_grad(set_to_none=True)
             acc = UpdateStats()
-            for mb in mbs:
-                logp, entropy = self._logprobs(mb)  # (b, t-1) each, fp32
-                old = mb.old_logp if mb.old_logp is not None else logp.detach()
-                loss, stats = policy_loss(logp, old, mb.advantages, mb.loss_mask, spec.rl,
-                                          sampler_logp=mb.sampler_logp, ref_logp=mb.ref_logp,
-                                          truncated=mb.truncated, denominator=denom,
-                                          max_len=spec.rollout.max_new_tokens)
-                loss.backward()
-                acc.add(stats, effective_mask(mb.loss_mask, spec.rl, mb.truncated), entropy.detach(),
-                        old.detach(), mb.sampler_logp)
+            with held_pieces(self.model):  # the adapter changes only at the optimizer step
+                for mb in mbs:
+                    logp, entropy = self._logprobs(mb)  # (b, t-1) each, fp32
+                    old = mb.old_logp if mb.old_logp is not None else logp.detach()
+                    loss, stats = policy_loss(logp, old, mb.advantages, mb.loss_mask, spec.rl,
+                                              sampler_logp=mb.sampler_logp, ref_logp=mb.ref_logp,
+                                              truncated=mb.truncated, denominator=denom,
+                                              max_len=spec.rollout.max_new_tokens)
+                    loss.backward()
+                    acc.add(stats, effective_mask(mb.loss_mask, spec.rl, mb.truncated), entropy.detach(),
+                            old.detach(), mb.sampler_logp)
             lr = float(self.optimizer.param_groups[0]["lr"])
             grad_norm = clip_grad_norm(self.params, spec.optim.grad_clip)
             self.optimizer.step()

@@ -219,3 +219,61 @@ def test_split_branch_through_a_checkpointed_model(monkeypatch):
     assert (lp - ref_lp)[real].abs().max() < 0.02
     assert torch.nn.functional.cosine_similarity(g, ref_g, dim=0) > 0.9999
     assert (g.norm() / ref_g.norm() - 1).abs() < 3e-3
+
+
+def test_held_pieces_are_made_once_and_give_the_same_pass(monkeypatch):
+    """held_pieces (a step's micro-batches): the same log-probs and LoRA gradients, bit for bit, as
+    making the pieces in every forward pass, with each adapter's pieces made once over two
+    checkpointed micro-batches (three forward passes each way: the pass and its recompute); none
+    kept after the block; an adapter weight changed in place inside the block gets new pieces."""
+    import engine.lora as lora
+    from engine.model.shapes import build_random_model, shape_config
+
+    cfg = shape_config("7b", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
+                       intermediate_size=128, vocab_size=256)
+    model = build_random_model(cfg, quantization="nvfp4", device="cpu", seed=4)
+    apply_lora(model, LoraSpec(r=4), seed=4)
+    _randomize(model, seed=4)
+    model.gradient_checkpointing = True
+    monkeypatch.setattr(lora, "SPLIT_BRANCH", "on")
+    made = []
+    real_pieces = lora._pieces
+    monkeypatch.setattr(lora, "_pieces", lambda t, dim: made.append(t.shape) or real_pieces(t, dim))
+    ids = torch.randint(1, 256, (2, 3, 10), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, 0, 7:] = 0
+    mods = list(lora_modules(model).values())
+
+    def passes(bump: bool = False):
+        out = []
+        for i in range(2):
+            if bump and i == 1:
+                with torch.no_grad():
+                    mods[0].lora_B.mul_(0.5)  # a new version of one weight
+            logp, _ = model.token_logprobs(ids[i], mask[i], chunk_size=4, from_position=2)
+            (logp * mask[i, :, 1:]).sum().backward()
+            out.append(logp.detach())
+        grads = torch.cat([p.grad.flatten() for p in adapter_params(model)])
+        model.zero_grad(set_to_none=True)
+        return torch.cat(out), grads
+
+    ref = passes()
+    per_pass = len(made)
+    assert per_pass == 2 * len(mods) * 2 * 2  # A and B, 2 micro-batches x (pass + recompute)
+    made.clear()
+    with lora.held_pieces(model):
+        got = passes()
+        assert all(m._held is not None for m in mods)
+    assert len(made) == 2 * len(mods)  # once each
+    assert all(m._held is None and not m._hold for m in mods)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+    b0 = mods[0].lora_B.detach().clone()
+    ref = passes(bump=True)
+    with torch.no_grad():
+        mods[0].lora_B.copy_(b0)
+    made.clear()
+    with lora.held_pieces(model):
+        got = passes(bump=True)
+    assert len(made) == 2 * len(mods) + 2  # the changed adapter's A and B made again
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
