@@ -822,6 +822,9 @@ def _mm_t(dy2: torch.Tensor, p: PreparedNVFP4) -> torch.Tensor:
 
 
 # -- custom ops (opaque to torch.compile, capturable in CUDA graphs) ---------------------------
+# torch.compile traces the custom ops; eager callers (the learner's ~600 projections of a 7B
+# micro-batch, forward, recompute and backward) run the same path directly, without the op's
+# dispatch on the host (tens of microseconds a call).
 @torch.library.custom_op("qerl::nvfp4_mm", mutates_args=())
 def _nvfp4_mm(x: torch.Tensor, wq: torch.Tensor, alpha: torch.Tensor, counters: torch.Tensor, n: int, k: int,
               alpha_value: float) -> torch.Tensor:
@@ -856,6 +859,8 @@ def nvfp4_matmul(x: torch.Tensor, layer: PreparedNVFP4 | torch.nn.Module) -> tor
     p = _prepared(layer)
     if x.shape[-1] != p.k:
         raise ValueError(f"input has {x.shape[-1]} features, the layer takes {p.k}")
+    if not torch.compiler.is_compiling():  # eager: the op's own path without its dispatch (above)
+        return _mm(x.reshape(-1, p.k), p).view(*x.shape[:-1], p.n)
     return torch.ops.qerl.nvfp4_mm(x, p.wq, p.alpha, p.counters, p.n, p.k, p.alpha_value)
 
 
@@ -864,4 +869,6 @@ def nvfp4_matmul_t(dy: torch.Tensor, layer: PreparedNVFP4 | torch.nn.Module) -> 
     p = _prepared(layer)
     if dy.shape[-1] != p.n:
         raise ValueError(f"gradient has {dy.shape[-1]} features, the layer outputs {p.n}")
+    if not torch.compiler.is_compiling():
+        return _mm_t(dy.reshape(-1, p.n), p).view(*dy.shape[:-1], p.k)
     return torch.ops.qerl.nvfp4_mm_t(dy, p.wq, p.n, p.k, p.alpha_value)
