@@ -190,19 +190,26 @@ def test_split_branch_matches_the_fp32_branch(monkeypatch, device, add, t, k, n)
         assert ((got[i] - ref[i]).abs().max() / ref[i].abs().max()) < 4e-5
 
 
+def _checkpointed_lora_model(seed: int):
+    """A 2-layer NVFP4 model in 7B's proportions with a random rank-4 adapter, checkpointed layers."""
+    from engine.model.shapes import build_random_model, shape_config
+
+    cfg = shape_config("7b", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
+                       intermediate_size=128, vocab_size=256)
+    model = build_random_model(cfg, quantization="nvfp4", device="cpu", seed=seed)
+    apply_lora(model, LoraSpec(r=4), seed=seed)
+    _randomize(model, seed=seed)
+    model.gradient_checkpointing = True
+    return model
+
+
 def test_split_branch_through_a_checkpointed_model(monkeypatch):
     """A bf16 model's learner pass (checkpointed layers recomputed in backward, ragged rows) with
     the branch as bf16 pieces against the fp32 branch: the same log-probs to bf16 rounding through
     two layers, the same LoRA gradients to about a part in a thousand."""
     import engine.lora as lora
-    from engine.model.shapes import build_random_model, shape_config
 
-    cfg = shape_config("7b", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
-                       intermediate_size=128, vocab_size=256)
-    model = build_random_model(cfg, quantization="nvfp4", device="cpu", seed=3)
-    apply_lora(model, LoraSpec(r=4), seed=3)
-    _randomize(model, seed=3)
-    model.gradient_checkpointing = True
+    model = _checkpointed_lora_model(3)
     ids = torch.randint(1, 256, (3, 12), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     mask[1, 8:] = 0
@@ -227,14 +234,8 @@ def test_held_pieces_are_made_once_and_give_the_same_pass(monkeypatch):
     checkpointed micro-batches (three forward passes each way: the pass and its recompute); none
     kept after the block; an adapter weight changed in place inside the block gets new pieces."""
     import engine.lora as lora
-    from engine.model.shapes import build_random_model, shape_config
 
-    cfg = shape_config("7b", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
-                       intermediate_size=128, vocab_size=256)
-    model = build_random_model(cfg, quantization="nvfp4", device="cpu", seed=4)
-    apply_lora(model, LoraSpec(r=4), seed=4)
-    _randomize(model, seed=4)
-    model.gradient_checkpointing = True
+    model = _checkpointed_lora_model(4)
     monkeypatch.setattr(lora, "SPLIT_BRANCH", "on")
     made = []
     real_pieces = lora._pieces
