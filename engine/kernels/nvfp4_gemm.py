@@ -821,6 +821,14 @@ def _mm_t(dy2: torch.Tensor, p: PreparedNVFP4) -> torch.Tensor:
     return (dy2.float() @ w * p.alpha_value).to(dy2.dtype)
 
 
+def _mm_nd(x: torch.Tensor, p: PreparedNVFP4) -> torch.Tensor:  # (..., K) -> (..., N)
+    return _mm(x.reshape(-1, p.k), p).view(*x.shape[:-1], p.n)
+
+
+def _mm_t_nd(dy: torch.Tensor, p: PreparedNVFP4) -> torch.Tensor:  # (..., N) -> (..., K)
+    return _mm_t(dy.reshape(-1, p.n), p).view(*dy.shape[:-1], p.k)
+
+
 # -- custom ops (opaque to torch.compile, capturable in CUDA graphs) ---------------------------
 # torch.compile traces the custom ops; eager callers (the learner's ~600 projections of a 7B
 # micro-batch, forward, recompute and backward) run the same path directly, without the op's
@@ -828,8 +836,7 @@ def _mm_t(dy2: torch.Tensor, p: PreparedNVFP4) -> torch.Tensor:
 @torch.library.custom_op("qerl::nvfp4_mm", mutates_args=())
 def _nvfp4_mm(x: torch.Tensor, wq: torch.Tensor, alpha: torch.Tensor, counters: torch.Tensor, n: int, k: int,
               alpha_value: float) -> torch.Tensor:
-    p = PreparedNVFP4(wq, alpha, counters, n, k, alpha_value)
-    return _mm(x.reshape(-1, k), p).view(*x.shape[:-1], n)
+    return _mm_nd(x, PreparedNVFP4(wq, alpha, counters, n, k, alpha_value))
 
 
 @_nvfp4_mm.register_fake
@@ -839,9 +846,8 @@ def _(x, wq, alpha, counters, n, k, alpha_value):
 
 @torch.library.custom_op("qerl::nvfp4_mm_t", mutates_args=())
 def _nvfp4_mm_t(dy: torch.Tensor, wq: torch.Tensor, n: int, k: int, alpha_value: float) -> torch.Tensor:
-    p = PreparedNVFP4(wq, dy.new_empty(0, dtype=torch.float32), dy.new_empty(0, dtype=torch.int32), n, k,
-                      alpha_value)
-    return _mm_t(dy.reshape(-1, n), p).view(*dy.shape[:-1], k)
+    return _mm_t_nd(dy, PreparedNVFP4(wq, dy.new_empty(0, dtype=torch.float32), dy.new_empty(0, dtype=torch.int32),
+                                      n, k, alpha_value))
 
 
 @_nvfp4_mm_t.register_fake
@@ -860,7 +866,7 @@ def nvfp4_matmul(x: torch.Tensor, layer: PreparedNVFP4 | torch.nn.Module) -> tor
     if x.shape[-1] != p.k:
         raise ValueError(f"input has {x.shape[-1]} features, the layer takes {p.k}")
     if not torch.compiler.is_compiling():  # eager: the op's own path without its dispatch (above)
-        return _mm(x.reshape(-1, p.k), p).view(*x.shape[:-1], p.n)
+        return _mm_nd(x, p)
     return torch.ops.qerl.nvfp4_mm(x, p.wq, p.alpha, p.counters, p.n, p.k, p.alpha_value)
 
 
@@ -870,5 +876,5 @@ def nvfp4_matmul_t(dy: torch.Tensor, layer: PreparedNVFP4 | torch.nn.Module) -> 
     if dy.shape[-1] != p.n:
         raise ValueError(f"gradient has {dy.shape[-1]} features, the layer outputs {p.n}")
     if not torch.compiler.is_compiling():
-        return _mm_t(dy.reshape(-1, p.n), p).view(*dy.shape[:-1], p.k)
+        return _mm_t_nd(dy, p)
     return torch.ops.qerl.nvfp4_mm_t(dy, p.wq, p.n, p.k, p.alpha_value)
