@@ -386,17 +386,18 @@ __global__ void __launch_bounds__(256)
   if (threadIdx.x == 0) valid[r * ld_valid + *slot] = true;
 }
 
-// grid (ceil(n / 1024), rows), block 256: out (rows, n) fp32 = y (rows, n) bf16; then the step's
-// counters move on: pos[r] += 1 for r < rows and *slot += 1 (block (0, 0)).
-__global__ void __launch_bounds__(256)
+// grid (ceil(n / kOutSpan), rows), block kOutThreads: out (rows, n) fp32 = y (rows, n) bf16; then
+// the step's counters move on: pos[r] += 1 for r < rows and *slot += 1 (block (0, 0)).
+constexpr int kOutThreads = 256, kOutPerThread = 4, kOutSpan = kOutThreads * kOutPerThread;
+__global__ void __launch_bounds__(kOutThreads)
     step_outputs_kernel(const bf16* __restrict__ y, float* __restrict__ out, long long ld_out, int64_t* pos,
                         int64_t* slot, int rows, int n) {
   pdl_wait_then_release();
   const long long r = blockIdx.y;
-  const int i0 = blockIdx.x * 1024 + threadIdx.x;
+  const int i0 = blockIdx.x * kOutSpan + threadIdx.x;
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    const int i = i0 + c * 256;
+  for (int c = 0; c < kOutPerThread; ++c) {
+    const int i = i0 + c * kOutThreads;
     if (i < n) out[r * ld_out + i] = __bfloat162float(y[r * n + i]);
   }
   if (blockIdx.x == 0 && blockIdx.y == 0) {
@@ -614,8 +615,8 @@ int qerl_step_inputs(const void* tok, const void* pos, const void* slot, const v
 int qerl_step_outputs(const void* y, void* out, long long ld_out, void* pos, void* slot, int rows, int n,
                       void* stream) {
   if (rows < 1 || n < 1) return (int)cudaErrorInvalidValue;
-  const dim3 grid((n + 1023) / 1024, rows);
-  return (int)launch(step_outputs_kernel, grid, dim3(256), stream, (const bf16*)y, (float*)out, ld_out,
+  const dim3 grid((n + kOutSpan - 1) / kOutSpan, rows);
+  return (int)launch(step_outputs_kernel, grid, dim3(kOutThreads), stream, (const bf16*)y, (float*)out, ld_out,
                      (int64_t*)pos, (int64_t*)slot, rows, n);
 }
 
