@@ -148,10 +148,11 @@ def _split_branch(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Te
     return not x.is_cuda or _mm_f32_works(str(x.device))
 
 
-# How _Branch adds the delta to the base output. "addmm": cuBLAS's epilogue adds y (after a copy
-# of y), but on the H200 8-24% of outputs of a test whose delta is as large as y were one bf16
-# step from the fp32 formula, as if the product were rounded to bf16 before the add (the rounding
-# a bf16 adapter's delta gets; an adapter's delta is mostly far smaller than y). "add": the delta in
+# How _Branch adds the delta to the base output. "addmm": cuBLAS's epilogue adds it into y in
+# place (y is made for the branch and saved by no one: the base's backward needs only dL/dy), but
+# on the H200 8-24% of outputs of a test whose delta is as large as y were one bf16 step from the
+# fp32 formula, as if the product were rounded to bf16 before the add (the rounding a bf16
+# adapter's delta gets; an adapter's delta is mostly far smaller than y). "add": the delta in
 # fp32, then y + delta rounded once (0.06-0.3% differ, from the pieces): a 7B learner micro-batch
 # took 765 ms against addmm's 632 (H200, benchmarks/learner.py).
 BRANCH_ADD = "addmm"
@@ -174,14 +175,17 @@ class _Branch(torch.autograd.Function):
         r = a.shape[0]
         us = _halves_sum(_mm_f32(x2, ap[:2 * r].t()), 1) * scaling  # (T, r)
         left = _pairs(us, 1)  # (T, 3r)
-        if BRANCH_ADD == "addmm":
-            out = torch.addmm(y2, left, bp.t())
+        if BRANCH_ADD == "addmm":  # into y itself: the base output is this branch's alone (no copy of it)
+            y2.addmm_(left, bp.t())
+            ctx.mark_dirty(y)
+            out = y
         else:
             out = torch.empty_like(y2)
             torch.add(y2, _mm_f32(left, bp.t()), out=out)
+            out = out.view(y.shape)
         ctx.save_for_backward(x, ap, bp, left)
         ctx.scaling = scaling
-        return out.view(y.shape)
+        return out
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # type: ignore[override]

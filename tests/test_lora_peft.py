@@ -190,6 +190,36 @@ def test_split_branch_matches_the_fp32_branch(monkeypatch, device, add, t, k, n)
         assert ((got[i] - ref[i]).abs().max() / ref[i].abs().max()) < 4e-5
 
 
+def test_split_branch_adds_into_the_base_output(monkeypatch):
+    """The "addmm" join adds the delta into the base output's own memory (no copy of it is made):
+    the values are those of the out-of-place sum of the same pieces, and gradients flow through."""
+    import engine.lora as lora
+    from engine.quant.base import BF16Linear
+
+    t, k, n, r = 24, 64, 96, 16
+    g = torch.Generator().manual_seed(11)
+    base = BF16Linear((0.05 * torch.randn(n, k, generator=g)).to(torch.bfloat16), None)
+    m = lora.LoRALinear(base, LoraSpec(r=r, alpha=32), generator=g)
+    with torch.no_grad():
+        m.lora_B.copy_(0.05 * torch.randn(n, r, generator=g))
+    x0 = torch.randn(2, t, k, generator=g).to(torch.bfloat16)
+    made = []
+    real = base.forward
+    monkeypatch.setattr(base, "forward", lambda x: made.append(real(x)) or made[-1])
+    monkeypatch.setattr(lora, "SPLIT_BRANCH", "on")
+    monkeypatch.setattr(lora, "BRANCH_ADD", "addmm")
+    x = x0.clone().requires_grad_(True)
+    y = m(x)
+    assert y.data_ptr() == made[0].data_ptr()
+    with torch.no_grad():
+        ap, bp = m._pieces()
+        us = lora._halves_sum(lora._mm_f32(x0.reshape(-1, k), ap[:2 * r].t()), 1) * m.scaling
+        expect = torch.addmm(real(x0).reshape(-1, n), lora._pairs(us, 1), bp.t())
+    assert torch.equal(y.detach().reshape(-1, n), expect)
+    y.float().sum().backward()
+    assert x.grad is not None and bool(torch.isfinite(x.grad).all()) and m.lora_B.grad.abs().sum() > 0
+
+
 def _checkpointed_lora_model(seed: int):
     """A 2-layer NVFP4 model in 7B's proportions with a random rank-4 adapter, checkpointed layers."""
     from engine.model.shapes import build_random_model, shape_config
