@@ -7,7 +7,7 @@
 # Usage (repository root, on the GPU machine): OUT=dir BUDGET=540 [STAGES="tests rollout"] bash benchmarks/run_gpu.sh
 set -u
 OUT=${OUT:-out}; BUDGET=${BUDGET:-540}; mkdir -p "$OUT"
-STAGES=${STAGES:-"tests rollout rollout1024 bigbatch rank64 hf attention gemm patterns learner rlstep"}
+STAGES=${STAGES:-"tests rollout rollout1024 bigbatch rank64 hf attention gemm patterns chain learner rlstep"}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 QERL_CACHE_DIR=${QERL_CACHE_DIR:-$PWD/.gpucache}
 left() { echo $((BUDGET - SECONDS)); }
 wanted() { [[ " $STAGES " == *" $1 "* ]]; }
@@ -41,6 +41,8 @@ stage attention 90 python3 benchmarks/decode_attention.py --json "$OUT/attention
 stage gemm 200 python3 benchmarks/gemm_nvfp4.py --json "$OUT/gemm.json"
 stage patterns 90 bash -c 'b=$(mktemp -d)/read_patterns; nvcc -O3 -std=c++17 -arch=sm_90a -o "$b" \
   benchmarks/read_patterns.cu && "$b"'
+stage chain 60 bash -c 'b=$(mktemp -d)/chain_overhead; nvcc -O3 -std=c++17 -arch=sm_90a -o "$b" \
+  benchmarks/chain_overhead.cu && "$b"'
 stage learner 120 python3 benchmarks/learner.py --sizes 7b,32b --layers 16 --methods nvfp4,bf16 \
   --json "$OUT/learner.json"
 stage rlstep 300 bash -c 'python3 benchmarks/rl_step.py --deadline $DEADLINE --sizes 32b,72b --methods nvfp4 \
