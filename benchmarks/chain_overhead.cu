@@ -34,6 +34,8 @@
 #include <cstring>
 #include <vector>
 
+#include "../engine/kernels/nvfp4_unpack.cuh"  // the kernels' weight load
+
 #define CK(x)                                                             \
   do {                                                                    \
     cudaError_t e_ = (x);                                                 \
@@ -61,13 +63,7 @@ struct Layer {
   Phase p[kPhases];
 };
 
-__device__ __forceinline__ int4 ld_stream(const int4* p) {
-  int4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p));
-  return r;
-}
+using qerl::ld_stream;  // the kernels' 16-byte weight load, not kept in L1
 
 __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
   unsigned v;
