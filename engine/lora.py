@@ -175,10 +175,12 @@ class _Branch(torch.autograd.Function):
         r = a.shape[0]
         us = _halves_sum(_mm_f32(x2, ap[:2 * r].t()), 1) * scaling  # (T, r)
         left = _pairs(us, 1)  # (T, 3r)
-        if BRANCH_ADD == "addmm":  # into y itself: the base output is this branch's alone (no copy of it)
-            y2.addmm_(left, bp.t())
+        if BRANCH_ADD == "addmm" and y.is_contiguous():  # into y itself: the base output is the branch's alone
+            y2.addmm_(left, bp.t())  # y2 is a view of y
             ctx.mark_dirty(y)
             out = y
+        elif BRANCH_ADD == "addmm":
+            out = torch.addmm(y2, left, bp.t()).view(y.shape)
         else:
             out = torch.empty_like(y2)
             torch.add(y2, _mm_f32(left, bp.t()), out=out)

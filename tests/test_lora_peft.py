@@ -218,6 +218,10 @@ def test_split_branch_adds_into_the_base_output(monkeypatch):
     assert torch.equal(y.detach().reshape(-1, n), expect)
     y.float().sum().backward()
     assert x.grad is not None and bool(torch.isfinite(x.grad).all()) and m.lora_B.grad.abs().sum() > 0
+    # a base output laid out otherwise (not contiguous) gets the sum in new memory, the same values
+    monkeypatch.setattr(base, "forward", lambda x: real(x).transpose(0, 1).contiguous().transpose(0, 1))
+    y = m(x0.clone().requires_grad_(True))
+    assert torch.equal(y.detach().reshape(-1, n), expect)
 
 
 def _checkpointed_lora_model(seed: int):
