@@ -63,6 +63,11 @@ struct Layer {
   Phase p[kPhases];
 };
 
+// Phase q of this layer, or past its last one, of the next layer.
+__host__ __device__ inline const Phase& phase_at(const Layer& cur, const Layer& next, int q) {
+  return q < kPhases ? cur.p[q] : next.p[q - kPhases];
+}
+
 using qerl::ld_stream;  // the kernels' 16-byte weight load, not kept in L1
 
 __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
@@ -102,7 +107,7 @@ __device__ __forceinline__ void prefetch_next(const Phase& a, const Phase& b) {
   const long long pre = (long long)U * gridDim.x * kThreads * 16;  // the register preload's bytes
   prefetch_l2(a, pre, pre + kPrefetch);
   const long long left = kPrefetch + pre - a.n16 * 16;
-  if (left > 0) prefetch_l2(b, (long long)U * gridDim.x * kThreads * 16, (long long)U * gridDim.x * kThreads * 16 + left);
+  if (left > 0) prefetch_l2(b, pre, pre + left);
 }
 
 // One phase for this block: the mean of `in`, the xor of its weight words, its share of `out`.
@@ -184,9 +189,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
       atomicAdd(arrive + p, 1u);
     }
     if (pf) {
-      const Phase& a = p + 1 < kPhases ? L.p[p + 1] : next.p[p + 1 - kPhases];
-      const Phase& b = p + 2 < kPhases ? L.p[p + 2] : next.p[p + 2 - kPhases];
-      prefetch_next(a, b);
+      prefetch_next(phase_at(L, next, p + 1), phase_at(L, next, p + 2));
     }
   }
 }
@@ -281,11 +284,10 @@ int main() {
         continue;
       }
       for (int p = 0; p < kPhases; ++p) {
-        const Phase& a = p + 1 < kPhases ? Ls[l].p[p + 1] : nxt.p[p + 1 - kPhases];
-        const Phase& b = p + 2 < kPhases ? Ls[l].p[p + 2] : nxt.p[p + 2 - kPhases];
         auto cfg = config(variant != 1);
-        CK(cudaLaunchKernelEx(&cfg, phase_kernel, Ls[l].p[p], a, b, (const float*)(lv + (size_t)p * kVec),
-                              lv + (size_t)(p + 1) * kVec, l * kPhases + p, variant != 1 ? 1 : 0, pf ? 1 : 0));
+        CK(cudaLaunchKernelEx(&cfg, phase_kernel, Ls[l].p[p], phase_at(Ls[l], nxt, p + 1), phase_at(Ls[l], nxt, p + 2),
+                              (const float*)(lv + (size_t)p * kVec), lv + (size_t)(p + 1) * kVec, l * kPhases + p,
+                              variant != 1 ? 1 : 0, pf ? 1 : 0));
       }
     }
   };
