@@ -3,12 +3,14 @@ on one model in one process, so that the drift between machine starts (a few per
 machine) does not enter the comparison.
 
 A variant is a name and module or class attributes set to Python literals for its runs (and put
-back after them); the first variant is the reference:
+back after them), or environment variables (``env.NAME=text``: the kernels' launch switches, read
+at every launch); the first variant is the reference:
 
     python3 benchmarks/decode_ab.py --size 7b --method nvfp4 --batches 1,8 --rounds 3 \\
         --variant base: \\
         --variant qkv2:engine.rollout.cuda_graph.QKV_EPILOGUE_ROWS=2 \\
-        --variant norm:engine.rollout.cuda_graph.FUSED_NORM_ROWS=16,engine.rollout.cuda_graph.FUSED_NORM_MIN_HIDDEN=0
+        --variant norm:engine.rollout.cuda_graph.FUSED_NORM_ROWS=16,engine.rollout.cuda_graph.FUSED_NORM_MIN_HIDDEN=0 \
+        --variant cluster:env.QERL_SHRINK_CLUSTER=1
 
 Each run is benchmarks/rollout.py's (``run_config``) under the variant: the engine built, warmed
 up (graphs captured outside the timing) and timed over a rollout of ``--gen`` tokens after
@@ -30,6 +32,7 @@ import argparse
 import ast
 import importlib
 import json
+import os
 import re
 import statistics
 import time
@@ -60,7 +63,8 @@ def _resolve(path: str) -> tuple[Any, str]:
 
 def parse_variant(text: str) -> tuple[str, list[tuple[Any, str, Any]]]:
     """``name:path=value,path=value`` -> (name, [(object, attribute, value)]); values are Python
-    literals (which may hold commas: ``m.RULE={'o': (1, 1)},m.OTHER=2``)."""
+    literals (which may hold commas: ``m.RULE={'o': (1, 1)},m.OTHER=2``); ``env.NAME=text`` gives
+    (os.environ, NAME, text)."""
     name, _, rest = text.partition(":")
     if not name:
         raise ValueError(f"variant {text!r}: give it a name (name:module.attr=value,...)")
@@ -69,6 +73,9 @@ def parse_variant(text: str) -> tuple[str, list[tuple[Any, str, Any]]]:
         path, eq, value = item.partition("=")
         if not eq:
             raise ValueError(f"variant {name}: {item!r} is not path=value")
+        if path.strip().startswith("env."):
+            sets.append((os.environ, path.strip()[4:], value.strip()))
+            continue
         try:
             literal = ast.literal_eval(value)
         except (ValueError, SyntaxError):
@@ -80,15 +87,24 @@ def parse_variant(text: str) -> tuple[str, list[tuple[Any, str, Any]]]:
 
 @contextmanager
 def applied(sets: list[tuple[Any, str, Any]]) -> Iterator[None]:
-    """The variant's attributes set for the block, put back after it."""
-    saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in sets]
+    """The variant's attributes and environment variables set for the block, put back after it."""
+    saved = [(obj, attr, obj.get(attr) if obj is os.environ else getattr(obj, attr)) for obj, attr, _ in sets]
     try:
         for obj, attr, value in sets:
-            setattr(obj, attr, value)
+            _set(obj, attr, value)
         yield
     finally:
         for obj, attr, value in reversed(saved):
-            setattr(obj, attr, value)
+            _set(obj, attr, value)
+
+
+def _set(obj: Any, attr: str, value: Any) -> None:
+    if obj is not os.environ:
+        setattr(obj, attr, value)
+    elif value is None:  # an environment variable that was not set before
+        os.environ.pop(attr, None)
+    else:
+        os.environ[attr] = value
 
 
 def kernels_variant(text: str) -> tuple[str, list[tuple[Any, str, Any]]]:

@@ -1,8 +1,9 @@
-"""benchmarks/decode_ab.py: its variants (module and class attributes set to literals, put back
-after), and a functional dry run on CPU with a tiny shape."""
+"""benchmarks/decode_ab.py: its variants (module and class attributes set to literals and
+environment variables, put back after), and a functional dry run on CPU with a tiny shape."""
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
@@ -26,6 +27,22 @@ def test_variants_set_module_and_class_attributes_and_put_them_back():
     _, sets = decode_ab.parse_variant("d:engine.rollout.fused_ops.CudaOps.name=('a', 'b'),"
                                       "engine.rollout.cuda_graph.QKV_EPILOGUE_ROWS=2")  # commas inside a literal
     assert [(a, v) for _, a, v in sets] == [("name", ("a", "b")), ("QKV_EPILOGUE_ROWS", 2)]
+
+
+def test_variants_set_environment_variables_and_put_them_back(monkeypatch):
+    monkeypatch.delenv("QERL_SHRINK_CLUSTER", raising=False)
+    monkeypatch.setenv("QERL_PDL", "1")
+    name, sets = decode_ab.parse_variant("c:env.QERL_SHRINK_CLUSTER=1,env.QERL_PDL=0,"
+                                         "engine.rollout.cuda_graph.QKV_EPILOGUE_ROWS=3")
+    assert name == "c" and [(a, v) for _, a, v in sets] == [("QERL_SHRINK_CLUSTER", "1"), ("QERL_PDL", "0"),
+                                                             ("QKV_EPILOGUE_ROWS", 3)]
+    before = cg.QKV_EPILOGUE_ROWS
+    with pytest.raises(RuntimeError), decode_ab.applied(sets):
+        assert os.environ["QERL_SHRINK_CLUSTER"] == "1" and os.environ["QERL_PDL"] == "0"
+        assert cg.QKV_EPILOGUE_ROWS == 3
+        raise RuntimeError("a failed run")
+    assert "QERL_SHRINK_CLUSTER" not in os.environ and os.environ["QERL_PDL"] == "1"
+    assert cg.QKV_EPILOGUE_ROWS == before
 
 
 @pytest.mark.parametrize(("parse", "text", "message"), [

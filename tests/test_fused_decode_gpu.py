@@ -7,7 +7,9 @@
   cuBLAS in between) captured in a CUDA graph with PDL on: the same bits as with PDL off and as
   eager launches, and within bf16 tolerance of TorchOps over float GEMMs; the same with the
   shrinks inside the norm and SiLU kernels and the LoRA in the GEMM epilogues, as the engine runs.
-- Those fused shrink kernels give the same bits as the kernels they replace.
+- Those fused shrink kernels give the same bits as the kernels they replace; every shrink, with
+  its K blocks merged in a cluster (QERL_SHRINK_CLUSTER=1), the same bits as with tickets, also
+  in a captured chain.
 - The step's own kernels. The sampler: greedy tokens equal torch.argmax (ties to the first
   index), sampled tokens are the argmax of x / T - log q in float64 up to fp32 rounding, every
   log-prob equals float64 log_softmax(x / T) at the token, outputs poisoned before, the same bits
@@ -291,6 +293,65 @@ def test_fused_shrinks_equal_the_kernels_they_replace(ops, rows):
     x = rnd(2, 1024).bfloat16()
     assert ops.add_rmsnorm_shrink(x, None, None, None, w[:1024], 1e-6, None)[2] is None
     assert ops.silu_mul_shrink(rnd(2, 64).bfloat16(), None, None, None)[1] is None
+
+
+# -- the shrinks' K blocks merged in a cluster ----------------------------------------------------
+@pytest.mark.parametrize("rows", [1, 3, 8, 13])
+def test_shrinks_merged_in_a_cluster_give_the_ticket_paths_bits(ops, rows, monkeypatch):
+    """QERL_SHRINK_CLUSTER=1: the plain shrink and the shrinks inside the norm and SiLU kernels
+    merge their 2..8 K blocks through distributed shared memory (9 and more: tickets, as without
+    it): the same bits as the ticket path, outputs poisoned before, tickets left zero, PDL on and
+    off."""
+    from engine.rollout.fused_ops import SHRINK_BLOCK_INPUTS
+
+    g = torch.Generator("cuda").manual_seed(1000 + rows)
+    for pdl in ("1", "0"):
+        monkeypatch.setenv("QERL_PDL", pdl)
+        for k in (5120, 18944, 27648, 29568, 8 * SHRINK_BLOCK_INPUTS, 36864):  # 2, 5, 7, 8, 8 and 9 K blocks
+            x = torch.randn(rows, k, device="cuda", generator=g).bfloat16()
+            a = torch.randn(48, k, device="cuda", generator=g) * 0.02
+            gu = torch.randn(rows, 2 * k, device="cuda", generator=g).bfloat16()
+            got = {}
+            for cluster in ("0", "1"):
+                monkeypatch.setenv("QERL_SHRINK_CLUSTER", cluster)
+                plain = _shrink_into(ops, x, a, torch.full((rows, 48), float("nan"), device="cuda"))
+                silu = ops.silu_mul_shrink(gu, None, None, a)
+                got[cluster] = (plain, *silu)
+            what = f"pdl={pdl} rows={rows} k={k}"
+            assert not torch.isnan(got["1"][0]).any(), f"{what}: unwritten outputs"
+            for name, u, v in zip(("plain shrink", "silu * up", "down shrink"), got["1"], got["0"]):
+                assert torch.equal(u, v), f"{what}: {name} differs from the ticket path"
+        for hdim in (5120, 8192):  # the norm's shrink: 2 K blocks
+            x = torch.randn(rows, hdim, device="cuda", generator=g).bfloat16()
+            y = torch.randn(rows, hdim, device="cuda", generator=g).bfloat16()
+            w = torch.rand(hdim, device="cuda", generator=g) + 0.5
+            a = torch.randn(32, hdim, device="cuda", generator=g) * 0.02
+            got = {}
+            for cluster in ("0", "1"):
+                monkeypatch.setenv("QERL_SHRINK_CLUSTER", cluster)
+                got[cluster] = ops.add_rmsnorm_shrink(x.clone(), y, None, None, w, 1e-6, a)
+            for name, u, v in zip(("x", "h", "s"), got["1"], got["0"]):
+                assert torch.equal(u, v), f"pdl={pdl} rows={rows} hdim={hdim}: {name} differs from the ticket path"
+
+
+@pytest.mark.parametrize("b", [1, 5])
+def test_cluster_shrinks_in_a_graph_equal_the_ticket_path(ops, b, monkeypatch):
+    """The decode chain (fused shrinks, K split in two blocks) captured with the shrinks merged in
+    clusters replays to the same bits as the one captured with tickets."""
+    chain = _Chain(b, seed=b)
+    monkeypatch.setenv("QERL_PDL", "1")
+    monkeypatch.setenv("QERL_SHRINK_CLUSTER", "1")
+    g_cl, out_cl = _graph(chain, ops, True)
+    monkeypatch.setenv("QERL_SHRINK_CLUSTER", "0")
+    g_tk, out_tk = _graph(chain, ops, True)
+    for trial in range(3):
+        chain.fresh(200 * b + trial)
+        g_cl.replay()
+        got = out_cl.clone()
+        chain.fresh(200 * b + trial)
+        g_tk.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, out_tk), f"trial {trial}: cluster-merged shrinks differ from the ticket path"
 
 
 # -- bias + LoRA in the NVFP4 GEMM's epilogue ------------------------------------------------------

@@ -47,6 +47,21 @@ cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t 
   return err != cudaSuccess ? err : cudaGetLastError();
 }
 
+// The same in clusters of `cluster` blocks (each of grid's dimensions a multiple of cluster's).
+template <typename... Params, typename... Args>
+cudaError_t launch_pdl_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, dim3 cluster, size_t smem,
+                               void* stream, Args... args) {
+  cudaLaunchAttribute attr[2];
+  cudaLaunchConfig_t cfg = pdl_config(grid, block, smem, stream, attr);  // attr[0]: PDL, if enabled
+  cudaLaunchAttribute& dims = attr[cfg.numAttrs++];
+  dims.id = cudaLaunchAttributeClusterDimension;
+  dims.val.clusterDim.x = cluster.x;
+  dims.val.clusterDim.y = cluster.y;
+  dims.val.clusterDim.z = cluster.z;
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+  return err != cudaSuccess ? err : cudaGetLastError();
+}
+
 // The same for a kernel chosen at run time (fn) and its argument pointers.
 inline cudaError_t launch_pdl(const void* fn, dim3 grid, dim3 block, size_t smem, void* stream, void** args) {
   cudaLaunchAttribute attr;

@@ -294,23 +294,9 @@ template <int D>
 cudaError_t launch(dim3 grid, void* stream, const bf16* q, const bf16* kc, const bf16* vc, long long cache_row,
                    long long cache_head, const uint8_t* valid, int ld_valid, bf16* out, const long long* slot,
                    int n_rep, int s, int keys_per_split, float scale_log2) {
-  cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = grid.x;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = static_cast<cudaStream_t>(stream);
-  cfg.attrs = attr;
-  cfg.numAttrs = qerl::pdl_enabled() ? 2 : 1;
-  const cudaError_t err = cudaLaunchKernelEx(&cfg, decode_attention_kernel<D>, q, kc, vc, cache_row, cache_head,
-                                             valid, ld_valid, out, slot, n_rep, s, keys_per_split, scale_log2);
-  return err != cudaSuccess ? err : cudaGetLastError();
+  return qerl::launch_pdl_cluster(decode_attention_kernel<D>, grid, dim3(kThreads), dim3(grid.x, 1, 1), 0, stream,
+                                  q, kc, vc, cache_row, cache_head, valid, ld_valid, out, slot, n_rep, s,
+                                  keys_per_split, scale_log2);
 }
 
 }  // namespace

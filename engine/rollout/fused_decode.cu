@@ -8,12 +8,14 @@
 // Plain C entry points (no torch headers), launched on the caller's stream.
 //
 // Every kernel is launched with programmatic dependent launch (../kernels/pdl.cuh: its rules).
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
 #include "../kernels/pdl.cuh"
 
+namespace cg = cooperative_groups;
 typedef __nv_bfloat16 bf16;
 using qerl::pdl_wait_then_release;
 
@@ -73,6 +75,11 @@ __global__ void lora_expand_kernel(const bf16* __restrict__ y, const bf16* __res
 // takes a ticket; the last block of an output adds the kb sums in block order, writes s and
 // resets the ticket (left zero for the next call). One launch, no zeroed output, the same result
 // on every run. A is read before the PDL wait (no kernel of a decode step writes it).
+// Launched in clusters of the kb blocks of an output (2 <= kb <= kMaxShrinkCluster, with
+// QERL_SHRINK_CLUSTER=1), the blocks instead store their sums into the first block's shared memory
+// (distributed shared memory) and meet at one cluster barrier; the first block adds them as the
+// ticket's last block does (lane p takes block p, then the same shuffle tree): the same bits, no
+// workspace round trip through L2, no atomic.
 // Three kernels share it: the plain shrink, and two that first compute the inputs x themselves
 // (residual add + RMSNorm, SiLU * up), writing them out from the blocks of j = 0, so that the
 // shrink of the next projection costs no launch of its own; those two take one row per block and
@@ -80,6 +87,14 @@ __global__ void lora_expand_kernel(const bf16* __restrict__ y, const bf16* __res
 // latency than one.
 constexpr int kShrinkThreads = 1024, kShrinkWarps = kShrinkThreads / 32;
 constexpr int kShrinkInputs = 4 * kShrinkThreads;  // inputs per block
+constexpr int kMaxShrinkCluster = 8;                // K blocks merged in a cluster (the portable limit)
+
+// Called first by every thread of a shrink kernel: in a cluster launch, its arrival for the
+// barrier that shrink_finish waits on before its first store into another block's shared memory
+// (so that every block of the cluster has started).
+__device__ __forceinline__ void shrink_cluster_start() {
+  if (cg::this_cluster().num_blocks() > 1) __cluster_barrier_arrive_relaxed();
+}
 
 struct Shrink {
   const float* a;  // (rtot, k) fp32
@@ -119,11 +134,30 @@ __device__ __forceinline__ void shrink_finish(const Shrink& S, const float (&acc
     if (lane == 0) part[q][warp] = v;
   }
   __syncthreads();
+  cg::cluster_group cluster = cg::this_cluster();
+  const bool merge_in_cluster = cluster.num_blocks() > 1;  // then a cluster of the kb blocks (grid y)
+  __shared__ float gathered[NR][kMaxShrinkCluster];       // the first block's: block b's sums at [q][b]
+  if (merge_in_cluster) __cluster_barrier_wait();         // every block of the cluster has started
   float* out = kb == 1 ? S.s : S.ws + (long long)kbi * rows * rtot;  // this block's sums
   if (warp < nr) {  // warp q adds output q's warp sums
     float v = part[warp][lane];
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (lane == 0) out[at(warp)] = v;
+    if (lane == 0) {
+      if (merge_in_cluster)
+        cluster.map_shared_rank(&gathered[0][0], 0)[warp * kMaxShrinkCluster + kbi] = v;
+      else
+        out[at(warp)] = v;
+    }
+  }
+  if (merge_in_cluster) {
+    cluster.sync();  // the stores above are visible to the first block
+    if (kbi == 0 && warp < nr) {  // as the ticket's last block below, for kb <= 32
+      float v = 0.f;
+      if (lane < kb) v += gathered[warp][lane];
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (lane == 0) S.s[at(warp)] = v;
+    }
+    return;
   }
   if (kb == 1) return;
   __threadfence();
@@ -153,6 +187,7 @@ __global__ void __launch_bounds__(kShrinkThreads)
     lora_shrink_kernel(const bf16* __restrict__ x, int ldx, const Shrink S, int rows, int k) {
   const int r0 = blockIdx.z * 8, nr = min(8, rows - r0);
   const int i = blockIdx.y * kShrinkInputs + threadIdx.x * 4;
+  shrink_cluster_start();
   const float4 av = shrink_a(S, k, blockIdx.x);
   pdl_wait_then_release();
   float acc[8];
@@ -293,6 +328,7 @@ __global__ void __launch_bounds__(kShrinkThreads)
     add_rmsnorm_shrink_kernel(const bf16* __restrict__ x, const bf16* __restrict__ y, const bf16* __restrict__ bias,
                               const float* __restrict__ w, float eps, bf16* __restrict__ x_out,
                               bf16* __restrict__ h_out, const Shrink S, int rows, int hdim) {
+  shrink_cluster_start();
   const long long row = blockIdx.z;
   const int i = blockIdx.y * kShrinkInputs + threadIdx.x * 4;
   float4 av[RB];
@@ -336,6 +372,7 @@ template <int RB>
 __global__ void __launch_bounds__(kShrinkThreads)
     silu_mul_shrink_kernel(const bf16* __restrict__ gu, const bf16* __restrict__ bias, bf16* __restrict__ out,
                            const Shrink S, int rows, int inter) {
+  shrink_cluster_start();
   const long long row = blockIdx.z;
   const int i = blockIdx.y * kShrinkInputs + threadIdx.x * 4;
   float4 av[RB];
@@ -504,6 +541,21 @@ cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, void* strea
   return qerl::launch_pdl(kernel, grid, block, 0, stream, args...);
 }
 
+// QERL_SHRINK_CLUSTER=1 (read at every launch): the shrinks merge their K blocks in a cluster.
+bool shrink_cluster_enabled() {
+  const char* v = getenv("QERL_SHRINK_CLUSTER");
+  return v != nullptr && strcmp(v, "1") == 0;
+}
+
+// A shrink kernel of grid (., kb, .) and 1024 threads: in clusters of its kb K blocks where
+// enabled and 2 <= kb <= kMaxShrinkCluster (shrink_finish), else as launch().
+template <typename... Params, typename... Args>
+cudaError_t launch_shrink(void (*kernel)(Params...), dim3 grid, void* stream, Args... args) {
+  if (shrink_cluster_enabled() && grid.y >= 2 && grid.y <= (unsigned)kMaxShrinkCluster)
+    return qerl::launch_pdl_cluster(kernel, grid, dim3(kShrinkThreads), dim3(1, grid.y, 1), 0, stream, args...);
+  return launch(kernel, grid, dim3(kShrinkThreads), stream, args...);
+}
+
 }  // namespace
 
 extern "C" {
@@ -531,8 +583,7 @@ int qerl_lora_shrink(const void* x, int ldx, SHRINK_ARGS, int rows, int k, void*
   dim3 grid;
   if (ldx % 4) return (int)cudaErrorInvalidValue;
   if (int err = shrink_grid(rows, 8, k, rtot, ws, tickets, &grid)) return err;
-  return (int)launch(lora_shrink_kernel, grid, dim3(kShrinkThreads), stream, (const bf16*)x, ldx, SHRINK_MAKE, rows,
-                     k);
+  return (int)launch_shrink(lora_shrink_kernel, grid, stream, (const bf16*)x, ldx, SHRINK_MAKE, rows, k);
 }
 
 // The fused kernels' grid: (ceil(rtot / rb), kb, rows) for rb rank rows per block (1, 2, 4, 8).
@@ -543,12 +594,12 @@ static int fused_grid(int rows, int k, int rtot, int rb, const void* ws, const v
   return 0;
 }
 
-#define QERL_RB_CASES(KERNEL, ...)                                                              \
-  switch (rb) {                                                                                \
-    case 1: return (int)launch(KERNEL<1>, grid, dim3(kShrinkThreads), stream, __VA_ARGS__);    \
-    case 2: return (int)launch(KERNEL<2>, grid, dim3(kShrinkThreads), stream, __VA_ARGS__);    \
-    case 4: return (int)launch(KERNEL<4>, grid, dim3(kShrinkThreads), stream, __VA_ARGS__);    \
-    default: return (int)launch(KERNEL<8>, grid, dim3(kShrinkThreads), stream, __VA_ARGS__);   \
+#define QERL_RB_CASES(KERNEL, ...)                                          \
+  switch (rb) {                                                            \
+    case 1: return (int)launch_shrink(KERNEL<1>, grid, stream, __VA_ARGS__);  \
+    case 2: return (int)launch_shrink(KERNEL<2>, grid, stream, __VA_ARGS__);  \
+    case 4: return (int)launch_shrink(KERNEL<4>, grid, stream, __VA_ARGS__);  \
+    default: return (int)launch_shrink(KERNEL<8>, grid, stream, __VA_ARGS__); \
   }
 
 // x_out = x + y (+ bias), h = RMSNorm(x_out) * w, s = h @ a^T (x_out must not be x); rb rank rows
