@@ -213,6 +213,9 @@ class TrainSpec:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     gradient_checkpointing: bool = True
     max_runtime_s: float | None = None
+    # CUDA only: the job's share of the GPU (torch's caching allocator; an in-process vLLM counts
+    # against it too); None: the whole device
+    max_gpu_memory_gib: float | None = None
 
     def __post_init__(self) -> None:
         _check_choice("quantization", self.quantization, QUANTIZATIONS)
@@ -229,6 +232,8 @@ class TrainSpec:
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
         if self.max_runtime_s is not None:
             _check_range("max_runtime_s", self.max_runtime_s, 0, 30 * 86400, lo_open=True)
+        if self.max_gpu_memory_gib is not None:
+            _check_range("max_gpu_memory_gib", self.max_gpu_memory_gib, 0, 100_000, lo_open=True)
 
     # -- (de)serialisation ---------------------------------------------------------------
     @classmethod

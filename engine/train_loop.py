@@ -45,6 +45,7 @@ from engine.types import (OOM_ADVICE, Reporter, TrainError, TrainResult, excepti
 def train(spec: TrainSpec, *, workdir: Path, reporter: Reporter, should_stop: Callable[[], bool],
           resume_from: Path | None = None) -> TrainResult:
     """Run (or resume) the job described by ``spec`` in ``workdir``; see the module docstring."""
+    run = None
     try:
         run = _Run(spec, Path(workdir), reporter, should_stop)
         try:
@@ -55,7 +56,10 @@ def train(spec: TrainSpec, *, workdir: Path, reporter: Reporter, should_stop: Ca
         raise
     except Exception as exc:
         if is_out_of_memory(exc):
-            raise TrainError("out_of_memory", OOM_ADVICE) from exc
+            cap = getattr(run, "gpu_memory_cap_gib", None)
+            note = (f" This job was capped at {cap:g} GiB by max_gpu_memory_gib; raise it if the GPU has room."
+                    if cap is not None else "")
+            raise TrainError("out_of_memory", OOM_ADVICE + note) from exc
         if is_disk_full(exc):
             where = next((e.filename for e in exception_chain(exc) if getattr(e, "filename", None)), workdir)
             raise TrainError("disk_full", f"No space left on device while writing {where}. Free space on the "
@@ -99,11 +103,37 @@ class _Run:
         self.initial_eval: dict[str, float] = {}
         self.last_metrics: dict[str, float] = {}
         self.rollout: Any = None  # engine.rollout.backend.RolloutBackend, from _setup
+        self.gpu_memory_cap_gib: float | None = None  # spec.max_gpu_memory_gib once applied to the device
+        self._capped_device: torch.device | None = None
 
     def close(self) -> None:
-        if self.rollout is not None:
-            self.rollout.close()
-            self.rollout = None
+        try:
+            if self.rollout is not None:
+                self.rollout.close()
+                self.rollout = None
+        finally:
+            if self._capped_device is not None:  # the next job in this process gets the whole device
+                torch.cuda.set_per_process_memory_fraction(1.0, self._capped_device)
+                torch.cuda.empty_cache()
+                self._capped_device = None
+
+    def _cap_gpu_memory(self) -> None:
+        """spec.max_gpu_memory_gib as the limit of torch's CUDA allocator in this process (until close)."""
+        cap, device = self.spec.max_gpu_memory_gib, self.device
+        if cap is None:
+            return
+        if device.type != "cuda":
+            self.reporter.event("warn", f"max_gpu_memory_gib={cap:g} does not apply on {device.type}: the job "
+                                        "runs without a memory cap", {"max_gpu_memory_gib": cap, "applied": False})
+            return
+        total = torch.cuda.get_device_properties(device).total_memory
+        if cap * 2**30 > total:
+            raise TrainError("invalid_spec", f"max_gpu_memory_gib={cap:g} is more than {device} has "
+                                             f"({total / 2**30:.1f} GiB); lower max_gpu_memory_gib to at most the "
+                                             "device's memory or leave it unset")
+        torch.cuda.empty_cache()  # blocks cached by earlier work would let the job hold more than the cap
+        torch.cuda.set_per_process_memory_fraction(cap * 2**30 / total, device)
+        self._capped_device, self.gpu_memory_cap_gib = device, cap
 
     # -- setup ------------------------------------------------------------------------------
     def _setup(self) -> None:
@@ -117,6 +147,7 @@ class _Run:
 
         spec = self.spec
         self.device = pick_device(spec.device)
+        self._cap_gpu_memory()
         seed_everything(spec.seed, self.device)
         self.workdir.mkdir(parents=True, exist_ok=True)
         try:
@@ -194,10 +225,13 @@ class _Run:
         if resume_from is not None:
             self._restore(resume_from)
         else:
+            cap = self.gpu_memory_cap_gib
+            cap_note = f", memory capped at {cap:g} GiB (max_gpu_memory_gib)" if cap is not None else ""
             self.reporter.event("info", f"Training {spec.model} ({spec.quantization} base, LoRA r={spec.lora.r}, "
                                         f"{spec.rl.algorithm}, AQN {'on' if spec.aqn.enabled else 'off'}) for "
-                                        f"{spec.steps} steps on {self.device.type}{_dtype_note(self.model)}",
+                                        f"{spec.steps} steps on {self.device.type}{cap_note}{_dtype_note(self.model)}",
                                 {"steps": spec.steps, "device": str(self.device), "rollout_backend": self.rollout.name,
+                                 **({"max_gpu_memory_gib": cap} if cap is not None else {}),
                                  "compute_dtype": str(self.model.dtype).removeprefix("torch."),
                                  "train_prompts": len(self.train_prompts), "eval_prompts": len(self.eval_prompts)})
         if self.step == 0 and not self.initial_eval:

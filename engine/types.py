@@ -49,7 +49,7 @@ class TrainResult:
 
 class TrainError(ValueError):
     """A job failure a user can act on. ``code`` is stored on the job (e.g. "invalid_dataset",
-    "unknown_model", "out_of_memory", "disk_full", "max_runtime_exceeded")."""
+    "unknown_model", "invalid_spec", "out_of_memory", "disk_full", "max_runtime_exceeded")."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)

@@ -268,14 +268,20 @@ def test_out_of_range_hyperparameters_name_the_allowed_range(client, key_a, fiel
     ({"rollout": {"num_generations": 10**6}}, "qerl.rollout.num_generations", "[2, 256]"),
     ({"rollout": {"max_new_tokens": 10**9}}, "qerl.rollout.max_new_tokens", "[1, 32768]"),
     ({"max_runtime_s": -1}, "qerl.max_runtime_s", "(0, 2592000]"),
+    ({"max_gpu_memory_gib": -1}, "qerl.max_gpu_memory_gib", "(0, 100000]"),
+    ({"max_gpu_memory_gib": 0}, "qerl.max_gpu_memory_gib", "(0, 100000]"),
+    ({"max_gpu_memory_gib": "8"}, "qerl.max_gpu_memory_gib", "must be a number"),
+    ({"max_gpu_memory_gib": True}, "qerl.max_gpu_memory_gib", "must be a number"),
     ({"optim": {"lr": 1e9}}, "qerl.optim.lr", "(0.0, 1.0]"),
     ({"aqn": {"sigma_start": -1e-2}}, "qerl.aqn.sigma_start", "(0.0, 1.0]"),
     ({"prompts_per_step": 10**40}, "qerl.prompts_per_step", "[1, 4096]"),
 ])
-def test_out_of_range_qerl_fields_name_the_allowed_range(client, key_a, qerl, param, allowed):
+def test_out_of_range_qerl_fields_name_the_allowed_range(client, key_a, qerl, param, allowed, db_sessions):
     body = {**RG_JOB, "qerl": {**RG_JOB["qerl"], **qerl}}
     err = assert_error(client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=body), 422, param=param)
     assert allowed in err["message"], err
+    with db_sessions() as s:
+        assert s.scalar(select(func.count()).select_from(Job).where(Job.project == key_a.project)) == 0
 
 
 def test_non_finite_and_huge_numbers(client, key_a):

@@ -198,6 +198,84 @@ def test_max_runtime_checkpoints_then_fails(tiny_dir, tmp_path):
     assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step-000000"]
 
 
+def test_max_gpu_memory_gib_is_checked():
+    assert TrainSpec().max_gpu_memory_gib is None
+    assert TrainSpec.from_dict({"max_gpu_memory_gib": 0.5}).max_gpu_memory_gib == 0.5
+    for bad, says in ((0, "must be in (0, 100000]; got 0"), (-1, "must be in (0, 100000]; got -1"),
+                      ("8", "must be a number; got '8'"), (True, "must be a number; got True")):
+        with pytest.raises(ValueError) as err:  # a JSON body: the type is checked first
+            TrainSpec.from_dict({"max_gpu_memory_gib": bad})
+        assert str(err.value).startswith(f"max_gpu_memory_gib {says}"), err.value
+        with pytest.raises(ValueError, match=r"^max_gpu_memory_gib must be (a number )?in \(0, 100000\]"):
+            TrainSpec(max_gpu_memory_gib=bad)
+
+
+def test_a_gpu_memory_cap_does_not_apply_on_cpu(tiny_dir, tmp_path):
+    """The cap limits torch's CUDA allocator (tests/test_gpu_path.py); a CPU job runs uncapped and says so once."""
+    spec = make_spec(tiny_dir, write_rows(tmp_path / "d.jsonl"), steps=1, data={"eval_size": 0},
+                     max_gpu_memory_gib=0.01)
+    rep = NullReporter()
+    res = train(spec, workdir=tmp_path / "run", reporter=rep, should_stop=lambda: False)
+    assert res.steps == 1 and not res.stopped
+    notes = [(level, m, d) for level, m, d in rep.events if "max_gpu_memory_gib" in m]
+    assert notes == [("warn", "max_gpu_memory_gib=0.01 does not apply on cpu: the job runs without a memory cap",
+                      {"max_gpu_memory_gib": 0.01, "applied": False})], rep.events
+    start = next(d for _, m, d in rep.events if m.startswith("Training"))
+    assert start["device"] == "cpu" and "max_gpu_memory_gib" not in start
+
+
+def test_the_gpu_memory_cap_with_torch_cuda_faked(tiny_dir, tmp_path, monkeypatch):
+    """What tests/test_gpu_path.py checks on a real GPU, with torch.cuda's calls faked around a CPU
+    job: the cap is set as a fraction of the device's memory and shown in the start event, lifted in
+    close() also when the job fails, and named in the out-of-memory message; a cap above the
+    device's memory fails ``invalid_spec`` before the device is touched."""
+    from types import SimpleNamespace
+
+    from engine.train_loop import _Run
+    from engine.types import OOM_ADVICE
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=16 * 2**30))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: calls.append((f, str(d))))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    real = _Run._cap_gpu_memory
+
+    def on_a_fake_gpu(self):
+        self.device = torch.device("cuda", 0)
+        try:
+            real(self)
+        finally:
+            self.device = torch.device("cpu")
+
+    monkeypatch.setattr(_Run, "_cap_gpu_memory", on_a_fake_gpu)
+
+    class ExhaustedGPU(NullReporter):
+        def event(self, level, message, data=None):
+            super().event(level, message, data)
+            if message.startswith("Training"):
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    rep = ExhaustedGPU()
+    spec = make_spec(tiny_dir, write_rows(tmp_path / "d.jsonl"), steps=1, data={"eval_size": 0},
+                     max_gpu_memory_gib=4)
+    with pytest.raises(TrainError) as err:
+        train(spec, workdir=tmp_path / "r1", reporter=rep, should_stop=lambda: False)
+    assert err.value.code == "out_of_memory" and str(err.value) == (
+        OOM_ADVICE + " This job was capped at 4 GiB by max_gpu_memory_gib; raise it if the GPU has room."), err.value
+    assert calls == ["empty_cache", (0.25, "cuda:0"), (1.0, "cuda:0"), "empty_cache"]
+    (message, start), = [(m, d) for _, m, d in rep.events if m.startswith("Training")]
+    assert start["max_gpu_memory_gib"] == 4 and "memory capped at 4 GiB (max_gpu_memory_gib)" in message
+
+    calls.clear()
+    spec = make_spec(tiny_dir, write_rows(tmp_path / "d.jsonl"), max_gpu_memory_gib=16.5)
+    with pytest.raises(TrainError) as err:
+        train(spec, workdir=tmp_path / "r2", reporter=NullReporter(), should_stop=lambda: False)
+    assert err.value.code == "invalid_spec" and str(err.value) == (
+        "max_gpu_memory_gib=16.5 is more than cuda:0 has (16.0 GiB); lower max_gpu_memory_gib to at most the "
+        "device's memory or leave it unset"), err.value
+    assert calls == []
+
+
 def test_reward_rises_on_a_learnable_task(tiny_dir, tmp_path):
     """GRPO on 'write text that looks like eeee...' (continuous fuzzy-match reward).
 
