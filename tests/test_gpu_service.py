@@ -1,7 +1,8 @@
 """A fine-tuning job through the real service on the GPU: the embedded server (SQLite, in-process
 worker) trains the tiny model on CUDA, the NVFP4 kernels and the CUDA-graph rollout engine doing
-the work, and the adapter it publishes downloads (sha256 checked) and loads in PEFT. Skipped
-without a CUDA GPU."""
+the work, and the adapter it publishes downloads (sha256 checked) and loads in PEFT. Before it, a
+job capped below the model's size (``qerl.max_gpu_memory_gib``) fails ``out_of_memory`` in the
+same worker process, which must not leave the cap on the next job. Skipped without a CUDA GPU."""
 from __future__ import annotations
 
 import math
@@ -19,6 +20,28 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 JOB_TIMEOUT_S = 600.0
 
 
+def _job_body(file_id: str, **qerl: object) -> dict:
+    """A 3-step job of the tiny model on CUDA; ``qerl`` adds to or replaces its qerl fields."""
+    return {
+        "model": "tiny", "training_file": file_id, "suffix": "gpu", "seed": 0,
+        "method": {"type": "reinforcement", "reinforcement": {"grader": {
+            "type": "text_similarity", "name": "similarity", "input": "{{sample.output_text}}",
+            "reference": "{{item.answer}}", "evaluation_metric": "fuzzy_match"}}},
+        "qerl": {"device": "cuda", "quantization": "nvfp4", "steps": 3, "prompts_per_step": 2,
+                 "micro_batch_size": 4, "checkpoint_interval": 1, "lora": {"r": 4},
+                 "rollout": {"num_generations": 4, "max_new_tokens": 8}, "rl": {"mask_truncated": False},
+                 "data": {"eval_size": 2}, **qerl}}
+
+
+def _finished(client, served, job: dict) -> dict:
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while job["status"] not in ("succeeded", "failed", "cancelled"):
+        assert time.monotonic() < deadline, f"job not done in {JOB_TIMEOUT_S:.0f} s:\n{served.log_tail()}"
+        time.sleep(0.5)
+        job = client.job(job["id"])
+    return job
+
+
 def test_a_service_job_trains_on_the_gpu(tmp_path: Path, tiny_model_dir: Path) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -30,20 +53,16 @@ def test_a_service_job_trains_on_the_gpu(tmp_path: Path, tiny_model_dir: Path) -
         client = Client(base_url=served.url, api_key=served.api_key)
         (tmp_path / "train.jsonl").write_bytes(jsonl(TRAIN_ROWS))
         file_id = client.upload_file(tmp_path / "train.jsonl")["id"]
-        job = client.create_job({
-            "model": "tiny", "training_file": file_id, "suffix": "gpu", "seed": 0,
-            "method": {"type": "reinforcement", "reinforcement": {"grader": {
-                "type": "text_similarity", "name": "similarity", "input": "{{sample.output_text}}",
-                "reference": "{{item.answer}}", "evaluation_metric": "fuzzy_match"}}},
-            "qerl": {"device": "cuda", "quantization": "nvfp4", "steps": 3, "prompts_per_step": 2,
-                     "micro_batch_size": 4, "checkpoint_interval": 1, "lora": {"r": 4},
-                     "rollout": {"num_generations": 4, "max_new_tokens": 8}, "rl": {"mask_truncated": False},
-                     "data": {"eval_size": 2}}})
-        deadline = time.monotonic() + JOB_TIMEOUT_S
-        while job["status"] not in ("succeeded", "failed", "cancelled"):
-            assert time.monotonic() < deadline, f"job not done in {JOB_TIMEOUT_S:.0f} s:\n{served.log_tail()}"
-            time.sleep(0.5)
-            job = client.job(job["id"])
+
+        # 0.001 GiB (1 MiB) is less than the tiny model's bf16 embedding (49152 x 64 x 2 bytes = 6 MiB)
+        # and than one 2 MiB block of torch's allocator: a real CUDA OOM while the model loads
+        capped = _finished(client, served, client.create_job(_job_body(file_id, max_gpu_memory_gib=0.001)))
+        assert capped["status"] == "failed", (capped, served.log_tail())
+        assert capped["error"]["code"] == "out_of_memory", capped["error"]
+        assert "capped at 0.001 GiB by max_gpu_memory_gib" in capped["error"]["message"], capped["error"]
+
+        # the next job in the same worker process has the whole GPU again
+        job = _finished(client, served, client.create_job(_job_body(file_id)))
         assert job["status"] == "succeeded", (job.get("error"), served.log_tail())
 
         # it ran on the GPU, its rollouts on the graph engine, and every step's metrics are finite
