@@ -136,6 +136,8 @@ def _mm_f32_works(device: str) -> bool:
     try:
         x = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
         return bool(torch.equal(_mm_f32(x, x), torch.full((2, 2), 2.0, device=device)))
+    except torch.cuda.OutOfMemoryError:
+        raise  # the job's memory, not the product: no answer to cache for later jobs
     except (RuntimeError, TypeError):
         return False
 

@@ -312,3 +312,26 @@ def test_held_pieces_are_made_once_and_give_the_same_pass(monkeypatch):
         got = passes(bump=True)
     assert len(made) == 2 * len(mods) + 2  # the changed adapter's A and B made again
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+def test_the_fp32_product_check_lets_out_of_memory_through(monkeypatch):
+    """The device check behind the split branch is cached per process: a CUDA out-of-memory error
+    (a job at its max_gpu_memory_gib) propagates instead of caching "no fp32 product" for every
+    later job; a device without the product still answers False."""
+    from engine import lora
+
+    def out_of_memory(*_):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+
+    def unsupported(*_):
+        raise RuntimeError("no kernel for this dtype")
+
+    lora._mm_f32_works.cache_clear()
+    try:
+        monkeypatch.setattr(lora, "_mm_f32", out_of_memory)
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            lora._mm_f32_works("cpu")
+        monkeypatch.setattr(lora, "_mm_f32", unsupported)
+        assert lora._mm_f32_works("cpu") is False
+    finally:
+        lora._mm_f32_works.cache_clear()
