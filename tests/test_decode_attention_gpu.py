@@ -4,7 +4,7 @@ groupings, head sizes and attention lengths that give one split and many; determ
 capturable in a CUDA graph, correct when it reads the cache before the kernel that writes the
 step's column ends, and the same greedy rollout as SDPA. Its RoPE mode (RoPE and the cache write
 of the new token inside the kernel) gives the bits of the two kernels it replaces, alone and in
-the engine. CPU: the split rule, the RoPE mode's input check. Skipped without a GPU (or with another GPU than sm_90)."""
+the engine. CPU: the split rule. Skipped without a GPU (or with another GPU than sm_90)."""
 from __future__ import annotations
 
 import math
@@ -208,16 +208,15 @@ def test_rope_mode_equals_the_rope_kernel_then_attention(b, kvh, n_rep, d, s_max
         assert torch.equal(captured, want) and torch.equal(kc1, kc2) and torch.equal(vc1, vc2)
 
 
+@needs_sm90
 def test_rope_mode_rejects_a_wrong_projection_width():
-    """Checked before anything is launched (so on CPU tensors, with no kernel library)."""
-    from engine.rollout.attention import KernelAttention
+    from engine.rollout.attention import KernelAttention, _library
 
-    kc = vc = torch.zeros(1, 4, 64, 128, dtype=torch.bfloat16)
-    y = torch.zeros(1, (28 + 2 * 4) * 128 - 128, dtype=torch.bfloat16)
-    cos = sin = torch.zeros(1, 128, dtype=torch.bfloat16)
-    valid = torch.ones(1, 64, dtype=torch.bool)
-    with pytest.raises(ValueError, match="qkv has 4480 columns, not \\(heads \\+ 2 kv heads\\) x head_dim = 4608"):
-        KernelAttention(None).with_rope(y, cos, sin, kc, vc, valid, 64, torch.zeros(1, dtype=torch.long), 28)
+    att = KernelAttention(_library())
+    _, kc, vc, valid = _case(1, 4, 7, 128, 256, 64, 0)
+    y, cos, sin = _rope_inputs(1, 28, 4, 128, 0)
+    with pytest.raises(ValueError, match="not \\(heads \\+ 2 kv heads\\) x head_dim"):
+        att.with_rope(y[:, :-128], cos, sin, kc, vc, valid, 64, torch.zeros(1, dtype=torch.long, device="cuda"), 28)
 
 
 @needs_sm90
