@@ -7,7 +7,7 @@
 # Usage (repository root, on the GPU machine): OUT=dir BUDGET=540 [STAGES="tests rollout"] bash benchmarks/run_gpu.sh
 set -u
 OUT=${OUT:-out}; BUDGET=${BUDGET:-540}; mkdir -p "$OUT"
-STAGES=${STAGES:-"tests rollout rollout1024 bigbatch rank64 hf attention gemm patterns chain stepab learner rlstep"}
+STAGES=${STAGES:-"tests rollout rollout1024 bigbatch rank64 hf attention gemm patterns chain shrinkab learner rlstep"}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 QERL_CACHE_DIR=${QERL_CACHE_DIR:-$PWD/.gpucache}
 left() { echo $((BUDGET - SECONDS)); }
 wanted() { [[ " $STAGES " == *" $1 "* ]]; }
@@ -43,11 +43,9 @@ stage patterns 90 bash -c 'b=$(mktemp -d)/read_patterns; nvcc -O3 -std=c++17 -ar
   benchmarks/read_patterns.cu && "$b"'
 stage chain 60 bash -c 'b=$(mktemp -d)/chain_overhead; nvcc -O3 -std=c++17 -arch=sm_90a -o "$b" \
   benchmarks/chain_overhead.cu && "$b"'
-# decode-step variants not on by default, alternated in one process with the default: the LoRA
-# shrinks' K blocks merged in a cluster (else tickets), RoPE + cache write inside attention
-stage stepab 240 bash -c 'for s in 7b 32b; do python3 benchmarks/decode_ab.py --size $s --batches 1,8 --rounds 3 \
-  --variant base: --variant cluster:env.QERL_SHRINK_CLUSTER=1 \
-  --variant rope:engine.rollout.cuda_graph.ROPE_IN_ATTENTION_ROWS=8 --json '"$OUT"'/stepab_$s.json; done'
+# the LoRA shrinks' K blocks merged through tickets (the default) or in a cluster, alternated in one process
+stage shrinkab 200 bash -c 'for s in 7b 32b; do python3 benchmarks/decode_ab.py --size $s --batches 1,8 --rounds 3 \
+  --variant tickets: --variant cluster:env.QERL_SHRINK_CLUSTER=1 --json '"$OUT"'/shrinkab_$s.json; done'
 stage learner 120 python3 benchmarks/learner.py --sizes 7b,32b --layers 16 --methods nvfp4,bf16 \
   --json "$OUT/learner.json"
 stage rlstep 300 bash -c 'python3 benchmarks/rl_step.py --deadline $DEADLINE --sizes 32b,72b --methods nvfp4 \

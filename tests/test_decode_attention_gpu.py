@@ -2,9 +2,8 @@
 queries, caches and masks (left padding, holes, one valid column), over batch sizes, kv-head
 groupings, head sizes and attention lengths that give one split and many; deterministic,
 capturable in a CUDA graph, correct when it reads the cache before the kernel that writes the
-step's column ends, and the same greedy rollout as SDPA. Its RoPE mode (RoPE and the cache write
-of the new token inside the kernel) gives the bits of the two kernels it replaces, alone and in
-the engine. CPU: the split rule. Skipped without a GPU (or with another GPU than sm_90)."""
+step's column ends, and the same greedy rollout as SDPA. CPU: the
+split rule. Skipped without a GPU (or with another GPU than sm_90)."""
 from __future__ import annotations
 
 import math
@@ -144,122 +143,6 @@ def test_kernel_reads_the_cache_early_but_the_write_column_late(b, kvh, n_rep, s
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured, late)
-
-
-def _rope_inputs(b, heads, kvh, d, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    y = torch.randn(b, (heads + 2 * kvh) * d, device="cuda", generator=g).to(torch.bfloat16)
-    ang = torch.rand(b, d // 2, device="cuda", generator=g) * 6.28
-    cos = torch.cat([ang.cos(), ang.cos()], -1).to(torch.bfloat16)
-    sin = torch.cat([ang.sin(), ang.sin()], -1).to(torch.bfloat16)
-    return y, cos, sin
-
-
-@needs_sm90
-@pytest.mark.parametrize("pdl", ["1", "0"])
-@pytest.mark.parametrize(("b", "kvh", "n_rep", "d", "s_max", "s", "slot"), [
-    (1, 4, 7, 128, 1024, 300, 299),    # 7B, one row: the write column last, inside a split's only tile
-    (2, 8, 5, 128, 512, 65, 64),       # the write column is the first key of the last split
-    (64, 4, 7, 128, 2048, 2048, 2047), # several tiles per split: the write column in a split's last tile
-    (3, 3, 3, 64, 256, 97, 40),        # head size 64, the write column inside, later columns valid too
-    (1, 2, 8, 128, 4096, 4096, 100),   # 8 query heads per kv head, the write column in a later tile of a split
-    (5, 8, 1, 64, 512, 200, 0),        # no grouping, the write column first
-])
-def test_rope_mode_equals_the_rope_kernel_then_attention(b, kvh, n_rep, d, s_max, s, slot, pdl, monkeypatch):
-    """The kernel's RoPE mode (KernelAttention.with_rope) against the step as two kernels
-    (fused_ops.qkv_rope_cache, then the attention kernel reading the cache early): the same
-    output and the same caches, to the bit, with the write column holding a stale key and value
-    before; eagerly and replayed in a CUDA graph; also against float64 on the new cache."""
-    from engine.rollout.attention import KernelAttention, _library
-    from engine.rollout.fused_ops import CudaOps, pick_ops
-
-    monkeypatch.setenv("QERL_PDL", pdl)
-    ops = pick_ops(torch.device("cuda"), torch.bfloat16, qk_norm=False, head_dim=d)
-    assert isinstance(ops, CudaOps)
-    att = KernelAttention(_library())
-    heads = kvh * n_rep
-    _, kc, vc, valid = _case(b, kvh, n_rep, d, s_max, s, 21)
-    valid[:b, slot] = True
-    col = torch.tensor([slot], dtype=torch.long, device="cuda")
-    y, cos, sin = _rope_inputs(b, heads, kvh, d, 22)
-
-    def stale(kc, vc):
-        kc[:, :, slot].fill_(30.0)
-        vc[:, :, slot].fill_(-7.0)
-        return kc, vc
-
-    kc2, vc2 = stale(kc.clone(), vc.clone())
-    q = ops.qkv_rope_cache(y, None, None, cos, sin, kc2, vc2, col, heads=heads, kv_heads=kvh, d=d)
-    want = att(q, kc2, vc2, valid, s, col)
-    kc1, vc1 = stale(kc.clone(), vc.clone())
-    out = att.with_rope(y, cos, sin, kc1, vc1, valid, s, col, heads)
-    assert torch.equal(out, want), "RoPE mode's output differs from the two kernels'"
-    assert torch.equal(kc1, kc2) and torch.equal(vc1, vc2), "RoPE mode's caches differ from the RoPE kernel's"
-    torch.testing.assert_close(out.double(), _reference(q, kc2, vc2, valid, s), atol=1.5e-2, rtol=1e-2)
-    stale(kc1, vc1)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = att.with_rope(y, cos, sin, kc1, vc1, valid, s, col, heads)
-    for _ in range(2):
-        stale(kc1, vc1)
-        captured.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(captured, want) and torch.equal(kc1, kc2) and torch.equal(vc1, vc2)
-
-
-@needs_sm90
-def test_rope_mode_rejects_a_wrong_projection_width():
-    from engine.rollout.attention import KernelAttention, _library
-
-    att = KernelAttention(_library())
-    _, kc, vc, valid = _case(1, 4, 7, 128, 256, 64, 0)
-    y, cos, sin = _rope_inputs(1, 28, 4, 128, 0)
-    with pytest.raises(ValueError, match="not \\(heads \\+ 2 kv heads\\) x head_dim"):
-        att.with_rope(y[:, :-128], cos, sin, kc, vc, valid, 64, torch.zeros(1, dtype=torch.long, device="cuda"), 28)
-
-
-@needs_sm90
-@pytest.mark.parametrize("graphs", [False, True])
-def test_engine_with_rope_in_attention_gives_the_same_rollout(graphs, monkeypatch):
-    """cuda_graph.ROPE_IN_ATTENTION_ROWS: an NVFP4 model with q/k/v biases and a LoRA (both added in
-    q/k/v's GEMM epilogue) sampled with RoPE and the cache write inside the attention kernel gives
-    the tokens and log-probs, to the bit, of the same engine with the RoPE kernel, at 1 and 5 rows;
-    the RoPE mode did run."""
-    import engine.rollout.cuda_graph as cgr
-    from engine.lora import adapter_params, apply_lora
-    from engine.model.shapes import NumberTokenizer, build_random_model, shape_config
-    from engine.rollout import SamplingParams
-    from engine.rollout.attention import KernelAttention
-    from engine.rollout.cuda_graph import GraphRollout
-    from engine.spec import LoraSpec
-
-    cfg = shape_config("7b", hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=128,
-                       intermediate_size=1024, vocab_size=512)
-    m = build_random_model(cfg, quantization="nvfp4", device="cuda", seed=4, std=0.1)
-    apply_lora(m, LoraSpec(r=8), seed=4)
-    with torch.no_grad():
-        for p in adapter_params(m):
-            if p.shape[1] == 8:  # B: a non-trivial adapter
-                p.normal_(0, 0.02, generator=torch.Generator(device=p.device).manual_seed(4))
-    calls = []
-    real = KernelAttention.with_rope
-    monkeypatch.setattr(KernelAttention, "with_rope", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(1, 512, (int(n),), generator=g).tolist() for n in (6, 40, 17, 3, 25)]
-    params = SamplingParams(max_new_tokens=48, temperature=1.0, eos_token_ids=[10**6])
-    tok = NumberTokenizer()
-    for rows in (1, 5):
-        runs = {}
-        for on in (0, 8):
-            monkeypatch.setattr(cgr, "ROPE_IN_ATTENTION_ROWS", on)
-            calls.clear()
-            eng = GraphRollout(m, max_batch=8, max_len=256, len_bucket=64, use_graphs=graphs)
-            runs[on] = eng.generate(tok, prompts[:rows], params, generator=torch.Generator("cuda").manual_seed(0))
-            assert bool(calls) == bool(on), f"rows={rows}: RoPE mode {'not ' if on else ''}used with {on}"
-        for a, b in zip(runs[0], runs[8]):
-            assert a.token_ids == b.token_ids, f"rows={rows}: tokens differ"
-            assert torch.equal(a.logprobs, b.logprobs), f"rows={rows}: log-probs differ"
 
 
 @needs_sm90

@@ -8,8 +8,7 @@ queries (B, heads, D), one layer's caches (B_max, kv heads, S_max, D), the valid
 (B_max, S_max) and the attention length s, and return (B, heads * D). ``pick_attention`` gives
 the kernel on sm_90 with bf16, head size 64 or 128 and at most 8 query heads per kv head, while
 rows x kv heads <= KERNEL_GROUPS (QERL_DECODE_ATTENTION=sdpa: never; =kernel: every batch), SDPA
-otherwise. The kernel's RoPE mode (``KernelAttention.with_rope``) also does RoPE and the cache
-write of the new token from q/k/v's projection output. The kernel splits the keys over several blocks where a step has few (row, kv head)
+otherwise. The kernel splits the keys over several blocks where a step has few (row, kv head)
 pairs (SDPA then runs a handful of blocks that walk the keys one tile after another) and its
 products run on the tensor cores, so it is ahead of SDPA at every batch measured.
 """
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.rollout.fused_ops import FLAGS, _ptr
+from engine.rollout.fused_ops import FLAGS
 
 SOURCE = Path(__file__).with_name("decode_attention.cu")
 KEYS = 16  # keys per warp step (kChunk in the kernel); a split covers a multiple of it
@@ -91,40 +90,19 @@ class KernelAttention:
         before this call writes, if that is the only cache column it writes; the kernel then reads
         the rest of the cache before that kernel ends (PDL). None: everything after it."""
         b, heads, d = q.shape
-        return self._launch(q.contiguous(), None, kc, vc, valid, s, slot, b, heads, d)
-
-    def with_rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-                  valid: torch.Tensor, s: int, slot: torch.Tensor, heads: int) -> torch.Tensor:
-        """The kernel's RoPE mode: qkv (B, (heads + 2 kv heads) D) is q/k/v's projection output with
-        its bias and LoRA added; the kernel ropes the queries and the new key (cos, sin: (B, D)),
-        writes the new key and value into the caches at column ``slot`` (< s) and attends, as
-        ``fused_ops.qkv_rope_cache`` then this call would (the same bits), in one launch."""
-        b, d = qkv.shape[0], kc.shape[3]
-        if qkv.shape[1] != (heads + 2 * kc.shape[1]) * d:
-            raise ValueError(f"decode attention's RoPE mode: qkv has {qkv.shape[1]} columns, not "
-                             f"(heads + 2 kv heads) x head_dim = {(heads + 2 * kc.shape[1]) * d}")
-        if qkv.stride(1) != 1 or qkv.stride(0) % 8 or qkv.data_ptr() % 16:
-            qkv = qkv.contiguous()
-        rope = (qkv, cos.contiguous(), sin.contiguous())
-        return self._launch(None, rope, kc, vc, valid, s, slot, b, heads, d)
-
-    def _launch(self, q: torch.Tensor | None, rope: tuple[torch.Tensor, ...] | None, kc: torch.Tensor,
-                vc: torch.Tensor, valid: torch.Tensor, s: int, slot: torch.Tensor | None, b: int, heads: int,
-                d: int) -> torch.Tensor:
         kvh = kc.shape[1]
         n_rep = heads // kvh
         if kc.stride(3) != 1 or kc.stride(2) != d or kc.stride() != vc.stride() or valid.stride(1) != 1:
             raise ValueError("decode attention needs caches laid out (rows, kv heads, columns, dim), dim innermost")
-        if slot is not None and (slot.dtype != torch.int64 or slot.device != kc.device):
+        if slot is not None and (slot.dtype != torch.int64 or slot.device != q.device):
             raise ValueError("decode attention's slot must be an int64 tensor on the queries' device")
-        qkv, cos, sin = rope if rope is not None else (None, None, None)
+        q = q.contiguous()
         splits, per = splits_for(b, kvh, s)
-        out = torch.empty(b, heads * d, dtype=kc.dtype, device=kc.device)
+        out = torch.empty(b, heads * d, dtype=q.dtype, device=q.device)
         err = self.lib.qerl_decode_attention(
-            _ptr(q), _ptr(qkv), 0 if qkv is None else qkv.stride(0), _ptr(cos), _ptr(sin), kc.data_ptr(),
-            vc.data_ptr(), kc.stride(0), kc.stride(1), valid.data_ptr(), valid.stride(0), out.data_ptr(), _ptr(slot),
-            b, kvh, n_rep, d, s, splits, per, ctypes.c_float(math.log2(math.e) / math.sqrt(d)),
-            torch.cuda.current_stream(kc.device).cuda_stream)
+            q.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.stride(0), kc.stride(1), valid.data_ptr(), valid.stride(0),
+            out.data_ptr(), None if slot is None else slot.data_ptr(), b, kvh, n_rep, d, s, splits, per,
+            ctypes.c_float(math.log2(math.e) / math.sqrt(d)), torch.cuda.current_stream(q.device).cuda_stream)
         if err != 0:
             raise RuntimeError(f"decode attention failed: CUDA error {err} "
                                f"({self.lib.qerl_decode_attention_error_string(err).decode()})")
@@ -133,8 +111,7 @@ class KernelAttention:
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
 _SIGNATURES = {
-    "qerl_decode_attention": [_P, _P, _I, _P, _P, _P, _P, _L, _L, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I,
-                              ctypes.c_float, _P],
+    "qerl_decode_attention": [_P, _P, _P, _L, _L, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P],
     "qerl_decode_attention_error_string": [_I],
 }
 
@@ -169,14 +146,6 @@ class DecodeAttention:
     def __call__(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, valid: torch.Tensor, s: int,
                  slot: torch.Tensor | None = None) -> torch.Tensor:
         return self._use(q, kc, vc, valid, s, slot)
-
-    @property
-    def takes_rope(self) -> bool:
-        """Whether this step's attention is the kernel, which has the RoPE mode (``with_rope``)."""
-        return self._use is self.kernel
-
-    def with_rope(self, *args, **kwargs) -> torch.Tensor:
-        return self.kernel.with_rope(*args, **kwargs)
 
 
 def pick_attention(device: torch.device, dtype: torch.dtype, *, heads: int, kv_heads: int, head_dim: int,

@@ -99,10 +99,6 @@ FUSED_NORM_MIN_HIDDEN = 4097
 # 2.385 -> 2.370; but at 8 rows 7B 2.957 -> 3.034 and 32B 9.920 -> 10.025: o's launch is short,
 # and the tasks (one block per rank row over all of K) then hold its epilogue back.
 O_SHRINK_TASK_ROWS = 1
-# Up to this many rows, where q/k/v's bias and LoRA went into its NVFP4 GEMM's epilogue and the
-# step's attention is the kernel, RoPE and the new token's cache write run inside the attention
-# kernel (its RoPE mode: the same bits) instead of in a launch of their own. 0: off (not yet timed).
-ROPE_IN_ATTENTION_ROWS = 0
 # With the fused ops, a step's inputs (token embeddings, RoPE rows, the valid mask's new column)
 # and its outputs (logits to fp32, positions and write column moved on) are one launch each
 # instead of four and three small kernels.
@@ -413,8 +409,6 @@ class GraphRollout:
         self.attention.begin_step(self.valid, b, heads // kvh, s, self.dtype)
         fused = self._fused_norm(b)
         o_tasks = self._o_tasks(b)
-        rope_in_attention = (isinstance(ops, CudaOps) and b <= ROPE_IN_ATTENTION_ROWS and self.attention.takes_rope
-                             and self.layers[0].q_norm is None)
         if fused or o_tasks:
             self.norm_sync.zero_()
         hw = None  # with the fused norm: q/k/v's input x * w, its RMSNorm applied in its GEMM (else h)
@@ -424,12 +418,9 @@ class GraphRollout:
                 qkv = self._project(L.qkv, h, L.qkv.term(s_qkv), QKV_EPILOGUE_ROWS)
             else:
                 qkv = self._project_norm(L.qkv, hw, x, self.norm_sync[i, 0:1], QKV_EPILOGUE_ROWS)
-            if rope_in_attention and qkv[1] is None and qkv[2] is None:  # RoPE + cache write inside attention
-                o = self.attention.with_rope(qkv[0], cos, sin, self.kc[i], self.vc[i], self.valid, s, self.slot, heads)
-            else:
-                q = ops.qkv_rope_cache(*qkv, cos, sin, self.kc[i], self.vc[i], self.slot, heads=heads, kv_heads=kvh,
-                                       d=d, q_norm=L.q_norm, k_norm=L.k_norm)
-                o = self.attention(q, self.kc[i], self.vc[i], self.valid, s, self.slot)  # (B, heads * D)
+            q = ops.qkv_rope_cache(*qkv, cos, sin, self.kc[i], self.vc[i], self.slot, heads=heads, kv_heads=kvh, d=d,
+                                   q_norm=L.q_norm, k_norm=L.k_norm)
+            o = self.attention(q, self.kc[i], self.vc[i], self.valid, s, self.slot)  # (B, heads * D)
             if o_tasks:  # o's shrink by tasks of its own GEMM launch
                 o_norm = shrink_tasks(b, L.o.a, self.norm_sync[i, 2:3])
                 o_lora = L.o.term(o_norm.s)

@@ -31,14 +31,6 @@
 // column that the previous kernel writes (the decode step's write column), each warp reads its
 // first chunk's keys and values before the wait, so that the cache's DRAM latency overlaps the
 // previous kernel, and reads that one column again after it.
-//
-// RoPE mode (qkv given): the kernel takes the q/k/v projection's output (bias and LoRA added)
-// instead of roped queries, and does what fused_decode.cu's qkv_rope_cache_kernel does for one
-// decode token: RoPE on the query heads and the new key (the same bf16 roundings, rope1 below)
-// and the new key and value into the cache at the write column (by the block whose keys hold
-// it). The block's threads make the group's roped queries and the new key and value in shared
-// memory, from where the lanes take them (the write column is never read back from the cache):
-// the same bits as the two kernels, one launch fewer.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -67,24 +59,6 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-__device__ __forceinline__ float bf(bf16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float rb(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
-
-// RoPE of one element as qkv_rope_cache_kernel rounds it: x at a dimension of the first half
-// (first) or the second, p its partner D/2 away, c and s the position's cos and sin there.
-__device__ __forceinline__ bf16 rope1(float x, float p, float c, float s, bool first) {
-  return __float2bfloat16_rn(rb(x * c) + rb((first ? -p : p) * s));
-}
-
-// RoPE mode's inputs: the projection output (rows, ld) = [q heads | k heads | v heads] and the
-// step's cos and sin (rows, D); null qkv: the queries come roped and the cache holds the column.
-struct Rope {
-  const bf16* qkv;
-  const bf16* cos;
-  const bf16* sin;
-  int ld;
-};
-
 template <int D>
 struct Chunk {
   static constexpr int KU = D / 32;  // 16-byte key pieces per key row (two k steps each)
@@ -94,11 +68,10 @@ struct Chunk {
   bool ok[4];                        // those four keys count
 };
 
-template <int D, bool ROPE>
+template <int D>
 __global__ void __launch_bounds__(kThreads)
-decode_attention_kernel(const bf16* __restrict__ q, const Rope R, const bf16* __restrict__ kc,
-                        const bf16* __restrict__ vc, long long cache_row, long long cache_head,
-                        const uint8_t* __restrict__ valid, int ld_valid,
+decode_attention_kernel(const bf16* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,
+                        long long cache_row, long long cache_head, const uint8_t* __restrict__ valid, int ld_valid,
                         bf16* __restrict__ out, const long long* __restrict__ slot_p, int n_rep, int s,
                         int keys_per_split, float scale_log2) {
   using C = Chunk<D>;
@@ -111,8 +84,6 @@ decode_attention_kernel(const bf16* __restrict__ q, const Rope R, const bf16* __
   __shared__ float co[kMaxRep * D];                       // this block's merged outputs (unnormalised)
   __shared__ float cm[kMaxRep], cl[kMaxRep];              // and maxima, sums
   __shared__ float wts[kMaxSplits][kMaxRep];              // each block's weight in the final output
-  // RoPE mode: the group's roped query heads, the new key (roped) and value
-  __shared__ __align__(16) bf16 new_q[ROPE ? kMaxRep * D : 8], new_k[ROPE ? D : 8], new_v[ROPE ? D : 8];
 
   const int split = blockIdx.x, kvg = blockIdx.y, b = blockIdx.z, splits = gridDim.x, kvh = gridDim.y;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -121,30 +92,23 @@ decode_attention_kernel(const bf16* __restrict__ q, const Rope R, const bf16* __
   const bf16* vb = vc + b * cache_row + kvg * cache_head;
   const uint8_t* vrow = valid + (long long)b * ld_valid;
   const int k0 = split * keys_per_split, k1 = min(s, k0 + keys_per_split);
-  const int slot = slot_p != nullptr ? (int)*slot_p : -1;
-  const bool owner = slot >= k0 && slot < k1;  // this block's keys hold the write column
-  bool have_new = false;  // RoPE mode, after the wait, in the owner: the write column comes from new_k, new_v
 
   // key rows: of the scores (g, 8 + g) and of the values (2t, 2t+1, 2t+8, 2t+9), within a chunk
   auto vkey = [&](int e) { return 2 * t + (e & 1) + 8 * (e >> 1); };
   auto load_k = [&](C& c, int base, int j) {
     const int key = base + 8 * j + g;
-    const bool fresh = ROPE && have_new && key == slot;
 #pragma unroll
     for (int u = 0; u < C::KU; ++u)
-      c.k[j][u] = fresh ? *reinterpret_cast<const uint4*>(new_k + 32 * u + 8 * t)
-                  : key < k1 ? *reinterpret_cast<const uint4*>(kb + (long long)key * D + 32 * u + 8 * t)
-                             : make_uint4(0u, 0u, 0u, 0u);
+      c.k[j][u] = key < k1 ? *reinterpret_cast<const uint4*>(kb + (long long)key * D + 32 * u + 8 * t)
+                           : make_uint4(0u, 0u, 0u, 0u);
   };
   auto load_v = [&](C& c, int base, int e) {
     const int key = base + vkey(e);
-    const bool fresh = ROPE && have_new && key == slot;
     c.ok[e] = key < k1 && vrow[key] != 0;
 #pragma unroll
     for (int u = 0; u < C::VU; ++u)
-      c.v[e][u] = !c.ok[e] ? make_uint4(0u, 0u, 0u, 0u)
-                  : fresh ? *reinterpret_cast<const uint4*>(new_v + g * (D / 8) + 8 * u)
-                          : *reinterpret_cast<const uint4*>(vb + (long long)key * D + g * (D / 8) + 8 * u);
+      c.v[e][u] = c.ok[e] ? *reinterpret_cast<const uint4*>(vb + (long long)key * D + g * (D / 8) + 8 * u)
+                          : make_uint4(0u, 0u, 0u, 0u);
   };
   auto load_chunk = [&](C& c, int base) {
     load_k(c, base, 0);
@@ -155,38 +119,13 @@ decode_attention_kernel(const bf16* __restrict__ q, const Rope R, const bf16* __
 
   const int first = k0 + kChunk * warp;
   C ch;
+  const int slot = slot_p != nullptr ? (int)*slot_p : -1;
   if (slot_p != nullptr && first < k1) load_chunk(ch, first);
   qerl::pdl_wait_then_release();
-  if constexpr (ROPE) {  // the group's queries; in the owner the new key and value, also into the cache
-    const bf16* row = R.qkv + (long long)b * R.ld;
-    const bf16 *cr = R.cos + (long long)b * D, *sr = R.sin + (long long)b * D;
-    bf16* kw = const_cast<bf16*>(kb) + (long long)slot * D;  // the kernel's only cache writes: no lane reads
-    bf16* vw = const_cast<bf16*>(vb) + (long long)slot * D;  // that column from the cache after the wait
-    const long long kcol = (long long)(kvh * n_rep + kvg) * D, vcol = kcol + (long long)kvh * D;
-    for (int i = threadIdx.x; i < (n_rep + (owner ? 2 : 0)) * D; i += kThreads) {
-      const int h = i / D, d = i % D, pd = d < D / 2 ? d + D / 2 : d - D / 2;
-      if (h <= n_rep) {  // query head h of the group, then (h = n_rep) the key
-        const bf16* src = row + (h < n_rep ? (long long)(kvg * n_rep + h) * D : kcol);
-        const bf16 v = rope1(bf(src[d]), bf(src[pd]), bf(cr[d]), bf(sr[d]), d < D / 2);
-        if (h < n_rep) {
-          new_q[h * D + d] = v;
-        } else {
-          new_k[d] = v;
-          kw[d] = v;
-        }
-      } else {
-        const bf16 v = row[vcol + d];
-        new_v[d] = v;
-        vw[d] = v;
-      }
-    }
-    __syncthreads();
-    have_new = owner;
-  }
   if (first < k1) {
     if (slot_p == nullptr) {
       load_chunk(ch, first);
-    } else if (slot >= first && slot < first + kChunk) {  // the write column, again (RoPE mode: as made above)
+    } else if (slot >= first && slot < first + kChunk) {  // the column the previous kernel wrote, again
 #pragma unroll
       for (int j = 0; j < 2; ++j)
         if (first + 8 * j + g == slot) load_k(ch, first, j);
@@ -199,10 +138,10 @@ decode_attention_kernel(const bf16* __restrict__ q, const Rope R, const bf16* __
   // query head g (zero past n_rep) as the A fragments of the k steps: (a0, a2) of step 2u + h are
   // words 2h, 2h + 1 of the 16 bytes at dimensions 32u + 8t
   uint32_t qa[KS][2];
-  const bf16* qh = ROPE ? new_q + g * D : q + (head0 + g) * D;
 #pragma unroll
   for (int u = 0; u < C::KU; ++u) {
-    const uint4 v = g < n_rep ? *reinterpret_cast<const uint4*>(qh + 32 * u + 8 * t) : make_uint4(0u, 0u, 0u, 0u);
+    const uint4 v = g < n_rep ? *reinterpret_cast<const uint4*>(q + (head0 + g) * D + 32 * u + 8 * t)
+                              : make_uint4(0u, 0u, 0u, 0u);
     qa[2 * u][0] = v.x;
     qa[2 * u][1] = v.y;
     qa[2 * u + 1][0] = v.z;
@@ -352,13 +291,12 @@ decode_attention_kernel(const bf16* __restrict__ q, const Rope R, const bf16* __
 }
 
 template <int D>
-cudaError_t launch(dim3 grid, void* stream, const bf16* q, const Rope& rope, const bf16* kc, const bf16* vc,
-                   long long cache_row, long long cache_head, const uint8_t* valid, int ld_valid, bf16* out,
-                   const long long* slot, int n_rep, int s, int keys_per_split, float scale_log2) {
-  auto kernel = rope.qkv != nullptr ? decode_attention_kernel<D, true> : decode_attention_kernel<D, false>;
-  return qerl::launch_pdl_cluster(kernel, grid, dim3(kThreads), dim3(grid.x, 1, 1), 0, stream, q, rope, kc, vc,
-                                  cache_row, cache_head, valid, ld_valid, out, slot, n_rep, s, keys_per_split,
-                                  scale_log2);
+cudaError_t launch(dim3 grid, void* stream, const bf16* q, const bf16* kc, const bf16* vc, long long cache_row,
+                   long long cache_head, const uint8_t* valid, int ld_valid, bf16* out, const long long* slot,
+                   int n_rep, int s, int keys_per_split, float scale_log2) {
+  return qerl::launch_pdl_cluster(decode_attention_kernel<D>, grid, dim3(kThreads), dim3(grid.x, 1, 1), 0, stream,
+                                  q, kc, vc, cache_row, cache_head, valid, ld_valid, out, slot, n_rep, s,
+                                  keys_per_split, scale_log2);
 }
 
 }  // namespace
@@ -371,30 +309,22 @@ extern "C" {
 // multiple of 16) each, none empty. slot: null, or the one cache column (an int64 on the device)
 // that the previous kernel of the stream writes, so that every other column may be read before
 // that kernel ends.
-// RoPE mode (qkv not null; q unused): qkv (rows, ld_qkv), 16-byte aligned rows, is the q/k/v
-// projection's output [q heads | k heads | v heads] with its bias and LoRA added; cos and sin
-// (rows, d) contiguous; slot (< s) is the decode token's cache column, which this kernel writes.
-int qerl_decode_attention(const void* q, const void* qkv, int ld_qkv, const void* cos, const void* sin, const void* kc,
-                          const void* vc, long long cache_row, long long cache_head, const void* valid, int ld_valid,
-                          void* out, const void* slot, int rows, int kv_heads, int n_rep, int d, int s, int splits,
-                          int keys_per_split, float scale_log2, void* stream) {
+int qerl_decode_attention(const void* q, const void* kc, const void* vc, long long cache_row, long long cache_head,
+                          const void* valid, int ld_valid, void* out, const void* slot, int rows, int kv_heads,
+                          int n_rep, int d, int s, int splits, int keys_per_split, float scale_log2, void* stream) {
   if (n_rep < 1 || n_rep > kMaxRep || s < 1 || splits < 1 || splits > kMaxSplits || keys_per_split < kChunk ||
       keys_per_split % kChunk || (long long)splits * keys_per_split < s || (long long)(splits - 1) * keys_per_split >= s)
     return (int)cudaErrorInvalidValue;
-  if (qkv != nullptr && (slot == nullptr || cos == nullptr || sin == nullptr || ld_qkv % 8 ||
-                         ld_qkv < kv_heads * (n_rep + 2) * d))
-    return (int)cudaErrorInvalidValue;
   const dim3 grid(splits, kv_heads, rows);
   const bf16 *qq = static_cast<const bf16*>(q), *k = static_cast<const bf16*>(kc), *v = static_cast<const bf16*>(vc);
-  const Rope rope{static_cast<const bf16*>(qkv), static_cast<const bf16*>(cos), static_cast<const bf16*>(sin), ld_qkv};
   const uint8_t* va = static_cast<const uint8_t*>(valid);
   bf16* o = static_cast<bf16*>(out);
   const long long* sl = static_cast<const long long*>(slot);
   if (d == 128)
-    return (int)launch<128>(grid, stream, qq, rope, k, v, cache_row, cache_head, va, ld_valid, o, sl, n_rep, s,
+    return (int)launch<128>(grid, stream, qq, k, v, cache_row, cache_head, va, ld_valid, o, sl, n_rep, s,
                             keys_per_split, scale_log2);
   if (d == 64)
-    return (int)launch<64>(grid, stream, qq, rope, k, v, cache_row, cache_head, va, ld_valid, o, sl, n_rep, s,
+    return (int)launch<64>(grid, stream, qq, k, v, cache_row, cache_head, va, ld_valid, o, sl, n_rep, s,
                            keys_per_split, scale_log2);
   return (int)cudaErrorInvalidValue;
 }
