@@ -214,7 +214,7 @@ class TrainSpec:
     gradient_checkpointing: bool = True
     max_runtime_s: float | None = None
     # CUDA only: the job's share of the GPU (torch's caching allocator; an in-process vLLM counts
-    # against it too); None: the whole device
+    # against it too, its rollout.gpu_memory_utilization fitted to it); None: the whole device
     max_gpu_memory_gib: float | None = None
 
     def __post_init__(self) -> None:

@@ -36,7 +36,7 @@ from engine.metrics import UpdateStats, peak_memory_mb, sample_metrics
 from engine.rl.advantages import group_advantages, keep_groups
 from engine.rl.aqn import apply_noise, clear_noise, sigma_for_step
 from engine.rl.loss import effective_mask, loss_denominator, policy_loss
-from engine.spec import TrainSpec
+from engine.spec import RolloutSpec, TrainSpec
 from engine.train_batch import DataCursor, RolloutBatch, build_batch, encode_prompts
 from engine.types import (OOM_ADVICE, Reporter, TrainError, TrainResult, exception_chain, is_disk_full,
                           is_out_of_memory)
@@ -104,6 +104,7 @@ class _Run:
         self.last_metrics: dict[str, float] = {}
         self.rollout: Any = None  # engine.rollout.backend.RolloutBackend, from _setup
         self.gpu_memory_cap_gib: float | None = None  # spec.max_gpu_memory_gib once applied to the device
+        self._gpu_total = 0  # bytes of that device
         self._capped_device: torch.device | None = None
 
     def close(self) -> None:
@@ -133,7 +134,29 @@ class _Run:
                                              "device's memory or leave it unset")
         torch.cuda.empty_cache()  # blocks cached by earlier work would let the job hold more than the cap
         torch.cuda.set_per_process_memory_fraction(cap * 2**30 / total, device)
-        self._capped_device, self.gpu_memory_cap_gib = device, cap
+        self._capped_device, self.gpu_memory_cap_gib, self._gpu_total = device, cap, total
+
+    def _rollout_spec(self) -> RolloutSpec:
+        """spec.rollout, where a GPU memory cap applies and the rollouts run on an in-process vLLM
+        sized by a share of the whole GPU (rollout.gpu_memory_utilization) with that share fitted to
+        the cap: by default GPU_MEMORY_UTILIZATION of the cap instead of the device; a share larger
+        than the cap is refused before vLLM starts."""
+        from engine.rollout.backend import resolve_backend_name
+        from engine.rollout.vllm_engine import GPU_MEMORY_UTILIZATION
+
+        r, cap = self.spec.rollout, self.gpu_memory_cap_gib
+        if cap is None or r.kv_cache_memory_bytes is not None or resolve_backend_name(r.backend) != "vllm":
+            return r
+        share = cap * 2**30 / self._gpu_total
+        if r.gpu_memory_utilization is None:
+            return dataclasses.replace(r, gpu_memory_utilization=GPU_MEMORY_UTILIZATION * share)
+        if r.gpu_memory_utilization > share:
+            raise TrainError("invalid_spec", f"rollout.gpu_memory_utilization={r.gpu_memory_utilization:g} asks vLLM "
+                                             f"for {r.gpu_memory_utilization * self._gpu_total / 2**30:.1f} GiB of "
+                                             f"{self.device}, more than max_gpu_memory_gib={cap:g}; lower it to at "
+                                             f"most {share:.3f} (leaving the trainer room), set "
+                                             "rollout.kv_cache_memory_bytes instead, or raise max_gpu_memory_gib")
+        return r
 
     # -- setup ------------------------------------------------------------------------------
     def _setup(self) -> None:
@@ -148,6 +171,7 @@ class _Run:
         spec = self.spec
         self.device = pick_device(spec.device)
         self._cap_gpu_memory()
+        rollout_spec = self._rollout_spec()  # checked before anything is loaded
         seed_everything(spec.seed, self.device)
         self.workdir.mkdir(parents=True, exist_ok=True)
         try:
@@ -178,7 +202,7 @@ class _Run:
         self.params = adapter_params(self.model)
         self.optimizer = build_optimizer(self.params, spec.optim, self.device)
         self.scheduler = build_scheduler(self.optimizer, spec.optim, spec.steps)
-        r = spec.rollout
+        r = rollout_spec
         self.sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                        top_k=r.top_k, stop=list(r.stop),
                                        eos_token_ids=list(getattr(self.model, "eos_token_ids", None) or []))

@@ -386,3 +386,33 @@ def test_cpu_without_fast_bf16_trains_bf16_values_in_fp32(tiny_dir, tmp_path, mo
     assert any(not torch.equal(a, b) for a, b in zip(adapter_params(fast.model), adapter_params(run.model)))
     message, data = next((m, d) for _, m, d in events.events if m.startswith("Training"))
     assert data["compute_dtype"] == "float32" and "computed in fp32" in message
+
+
+def test_a_gpu_memory_cap_fits_an_in_process_vllm_share_to_it():
+    """rollout.gpu_memory_utilization is a share of the whole GPU: under max_gpu_memory_gib the
+    default share becomes GPU_MEMORY_UTILIZATION of the cap, a share larger than the cap is refused
+    naming both fields, and jobs without a cap, with a KV-cache size or on the native backend keep
+    their rollout settings as given."""
+    from types import SimpleNamespace
+
+    from engine.rollout.vllm_engine import GPU_MEMORY_UTILIZATION
+    from engine.train_loop import _Run
+
+    def run(cap, **rollout):
+        spec = TrainSpec.from_dict({"rollout": {"backend": "vllm", **rollout}, "max_gpu_memory_gib": cap})
+        fake = SimpleNamespace(spec=spec, gpu_memory_cap_gib=cap, _gpu_total=64 * 2**30, device=torch.device("cuda", 0))
+        return spec, _Run._rollout_spec(fake)
+
+    spec, r = run(16)
+    assert r.gpu_memory_utilization == pytest.approx(GPU_MEMORY_UTILIZATION * 0.25)
+    assert spec.rollout.gpu_memory_utilization is None and r.max_batch == spec.rollout.max_batch
+    assert run(16, gpu_memory_utilization=0.2)[1].gpu_memory_utilization == 0.2
+    with pytest.raises(TrainError) as err:
+        run(16, gpu_memory_utilization=0.5)
+    assert err.value.code == "invalid_spec" and str(err.value) == (
+        "rollout.gpu_memory_utilization=0.5 asks vLLM for 32.0 GiB of cuda:0, more than max_gpu_memory_gib=16; "
+        "lower it to at most 0.250 (leaving the trainer room), set rollout.kv_cache_memory_bytes instead, or "
+        "raise max_gpu_memory_gib"), err.value
+    for spec, r in (run(None), run(16, kv_cache_memory_bytes=2**30),
+                    run(16, backend="native", gpu_memory_utilization=0.9)):
+        assert r is spec.rollout
