@@ -594,8 +594,8 @@ static int fused_grid(int rows, int k, int rtot, int rb, const void* ws, const v
   return 0;
 }
 
-#define QERL_RB_CASES(KERNEL, ...)                                          \
-  switch (rb) {                                                            \
+#define QERL_RB_CASES(KERNEL, ...)                                             \
+  switch (rb) {                                                               \
     case 1: return (int)launch_shrink(KERNEL<1>, grid, stream, __VA_ARGS__);  \
     case 2: return (int)launch_shrink(KERNEL<2>, grid, stream, __VA_ARGS__);  \
     case 4: return (int)launch_shrink(KERNEL<4>, grid, stream, __VA_ARGS__);  \
