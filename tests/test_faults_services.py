@@ -1,10 +1,11 @@
 """Faults injected for real while jobs run, on private instances (the shared Postgres on 5432 and
 Redis on 6379 are never stopped): Redis stopped and restarted under the API and a Celery worker,
-Postgres restarted under both, a job over its max_runtime, a job over the worker's memory (a real
-RLIMIT_AS on the worker's processes), a worker process SIGKILLed on every attempt (what the
-kernel's out-of-memory killer does), and the disk filling up while a checkpoint is written. Each
-test asserts the end state: job statuses, attempts, row counts and the event stream. Real
-``celery worker`` processes (tests/_worker_fixtures.py) run the real engine on the tiny model."""
+Postgres restarted under both (within the lease, and down for longer than it), a job over its
+max_runtime, a job over the worker's memory (a real RLIMIT_AS on the worker's processes), a worker
+process SIGKILLed on every attempt (what the kernel's out-of-memory killer does), and the disk
+filling up while a checkpoint is written. Each test asserts the end state: job statuses, attempts,
+row counts and the event stream. Real ``celery worker`` processes (tests/_worker_fixtures.py) run
+the real engine on the tiny model."""
 from __future__ import annotations
 
 import glob
@@ -35,6 +36,7 @@ from tests.conftest import Key, _key, pg_database
 
 pytestmark = pytest.mark.timeout(600)
 PG_OUTAGE_S, PG_JOB_STEPS = 18.0, 12  # far longer than the ~3.5 s the worker used to retry a write
+PG_LEASE_S, PG_LONG_OUTAGE_S, PG_LONG_JOB_STEPS = 6.0, 15.0, 16  # an outage of 2.5 leases: the run is given up
 WIDE_MODEL_HIDDEN = 1536  # 4 layers: ~160M parameters, ~640 MB of fp32 weights
 MEMORY_HEADROOM_MB = 700  # over what an idle worker maps: a tiny job needs ~400 MB of it, the wide model ~1.4 GB
 
@@ -277,6 +279,86 @@ def test_postgres_restart_answers_503_and_the_worker_finishes(worker_queue_env, 
             assert s.scalar(select(func.count()).select_from(JobEvent).where(  # no requeue, no second start
                 JobEvent.job_id == job_id, JobEvent.message.like("%attempt 2%"))) == 0
         engine.dispose()
+    finally:
+        pg.destroy()
+
+
+def test_postgres_down_longer_than_the_lease_requeues_once_and_resumes_from_the_checkpoint(
+        worker_queue_env, start_workers, tmp_path):
+    """Postgres stopped for 2.5 leases (6 s lease, 15 s outage) while a job runs, after its first
+    checkpoint is recorded: the worker retries its writes while the lease lasts, then gives its run
+    up (lease lost) without recording an outcome; once the database is back the reaper requeues the
+    job once and the same worker resumes it from the latest recorded checkpoint on attempt 2. Every
+    step's metrics are there, steps up to that checkpoint were not run again, and attempt 1 wrote
+    nothing after the reap."""
+    if os.geteuid() == 0 and not shutil.which("runuser"):
+        pytest.skip("runuser is needed to start Postgres as the postgres user")
+    pg = PrivatePostgres()
+    try:
+        pg.start()
+        url = pg.create_db()
+        env = env_for(worker_queue_env, DATABASE_URL=url, QERL_LEASE_SECONDS=str(PG_LEASE_S),
+                      QERL_HEARTBEAT_SECONDS="1", QERL_REAP_INTERVAL_SECONDS="1")
+        [worker] = start_workers(1, **{k: env[k] for k in ("DATABASE_URL", "QERL_CELERY_QUEUE", "QERL_LEASE_SECONDS",
+                                                           "QERL_HEARTBEAT_SECONDS", "QERL_REAP_INTERVAL_SECONDS")})
+        key = key_in(url, "pg-long")
+        with api(env, tmp_path) as client:
+            job_id = client.post("/v1/fine_tuning/jobs", headers=key.headers,
+                                 json=tiny_job(steps=PG_LONG_JOB_STEPS)).json()["id"]
+            deadline = time.monotonic() + 240
+            while not client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints", headers=key.headers).json()["data"]:
+                assert time.monotonic() < deadline, "no checkpoint was recorded"
+                time.sleep(0.1)
+            before = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=key.headers).json()
+            assert before["status"] == "running" and before["qerl"]["attempt"] == 1, before
+            pg.stop()
+            down = time.monotonic()
+            time.sleep(max(0.0, PG_LONG_OUTAGE_S - (time.monotonic() - down)))  # the deliberate outage
+            pg.start()
+            outage = time.monotonic() - down
+            job = wait_job(client, key, job_id, finished)
+            shown = client.get(f"/v1/fine_tuning/jobs/{job_id}/metrics?limit=1000", headers=key.headers).json()["data"]
+        assert outage >= PG_LONG_OUTAGE_S >= 2 * PG_LEASE_S
+        assert before["qerl"]["progress"]["step"] < PG_LONG_JOB_STEPS  # the outage began mid-run
+        assert job["status"] == "succeeded", job
+        assert job["qerl"]["attempt"] == 2, job  # one requeue, no third attempt
+        log = worker.log()
+        assert "database unavailable while " in log  # it retried while the lease lasted
+        assert f"job {job_id} attempt 1: lease lost: " in log  # then counted the lease as lost (worker.lease)
+        assert f"job {job_id} attempt 1: lease lost; this worker's run is discarded" in log  # and ended the run
+        assert "internal error" not in log  # not a failure of the job: nothing recorded an outcome
+        engine = make_engine(url)
+        with make_sessionmaker(engine)() as s:
+            evs = list(s.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id)))
+            messages = [e.message for e in evs]
+            [reaped] = [e for e in evs if e.message.startswith("Worker lost")]  # exactly one requeue
+            resumed = int(reaped.message.split("from checkpoint step ")[1].split(" ")[0])
+            assert resumed >= 1 and reaped.message.endswith("(attempt 2)"), reaped.message
+            assert sum(m == "Job started (attempt 1)" for m in messages) == 1, messages
+            assert sum(m.startswith("Resuming") for m in messages) == 1, messages
+            assert f"Resuming from checkpoint step {resumed} (attempt 2)" in messages, messages
+            assert any(e.attempt == 2 and e.message == f"Resumed from checkpoint step {resumed}" for e in evs)
+            assert not any("attempt 3" in m or m.startswith("The job failed") for m in messages), messages
+            assert sum("successfully completed" in m for m in messages) == 1, messages
+            rows = s.execute(select(JobMetric.step, JobMetric.attempt, JobMetric.created_at)
+                             .where(JobMetric.job_id == job_id, JobMetric.step > 0)).all()
+            by_attempt = {a: sorted(r.step for r in rows if r.attempt == a) for a in (1, 2)}
+            assert {r.attempt for r in rows} == {1, 2}
+            # attempt 2 started after the checkpoint: nothing up to it was run again
+            assert by_attempt[2] == list(range(resumed + 1, PG_LONG_JOB_STEPS + 1)), by_attempt
+            # attempt 1 reached at most the step whose checkpoint record the outage cut off
+            assert by_attempt[1] == list(range(1, len(by_attempt[1]) + 1)), by_attempt
+            assert resumed <= len(by_attempt[1]) <= resumed + 1, by_attempt
+            # the fence: attempt 1 wrote nothing once the reaper had taken the job from it
+            late = [(r.step, r.created_at) for r in rows if r.attempt == 1 and r.created_at >= reaped.created_at]
+            late += [(e.message, e.created_at) for e in evs if e.attempt == 1 and e.id > reaped.id]
+            late += list(s.execute(select(Checkpoint.step, Checkpoint.created_at).where(
+                Checkpoint.job_id == job_id, Checkpoint.attempt == 1, Checkpoint.created_at >= reaped.created_at)))
+            assert late == [], late
+        engine.dispose()
+        # what the API shows: every step once, from the attempt that counts (the latest)
+        assert [(m["step"], m["attempt"]) for m in shown if m["step"] > 0] == \
+            [(n, 1 if n <= resumed else 2) for n in range(1, PG_LONG_JOB_STEPS + 1)], shown
     finally:
         pg.destroy()
 

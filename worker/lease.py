@@ -7,9 +7,11 @@ so nobody would collect this child's result).
 
 ``retry`` runs the worker's other database writes (progress, checkpoints, the outcome) through a
 database restart: exponential back-off for as long as the lease lasts since its last renewal.
-Past that the reaper may hand the job to another worker, so this one gives up; a write that does
-get through is still fenced by the attempt (``queue.fence``), so a worker whose job was taken
-over writes nothing.
+Past that the reaper may hand the job to another worker, so this one gives up: it sets ``lost``
+and raises ``LeaseLost``, so the run ends as one whose lease was lost and records no outcome (an
+outcome written once the database is back, before the reaper's next pass, would pass the fence).
+A write that does get through is still fenced by the attempt (``queue.fence``), so a worker whose
+job was taken over writes nothing.
 """
 from __future__ import annotations
 
@@ -45,7 +47,8 @@ class LeaseKeeper(threading.Thread):
 
     def retry(self, write: Callable[[], T], what: str) -> T:
         """``write()``, retried on transient database errors with back-off (0.25 s doubling to 5 s)
-        until the lease would run out. LeaseLost and other errors are never retried."""
+        until the lease would run out; then the lease counts as lost (``lost`` set, LeaseLost
+        raised from the database's error). LeaseLost and other errors are never retried."""
         delay = FIRST_RETRY_S
         while True:
             try:
@@ -53,9 +56,12 @@ class LeaseKeeper(threading.Thread):
             except TRANSIENT as exc:
                 left = self.renewed_at + self.lease_seconds - time.monotonic()
                 if self.lost.is_set() or delay > left:
-                    log.warning("job %s: giving up on %s: the database has been unreachable for longer than the "
-                                "lease (%.0f s)", self.job_id, what, self.lease_seconds)
-                    raise
+                    log.warning("job %s attempt %d: lease lost: giving up on %s: the database stayed unreachable "
+                                "until the lease (%.0f s) would run out", self.job_id, self.attempt, what,
+                                self.lease_seconds)
+                    self.lost.set()
+                    raise queue.LeaseLost(f"job {self.job_id} attempt {self.attempt}: the database was unreachable "
+                                          f"for the rest of the lease while {what}") from exc
                 log.warning("job %s: database unavailable while %s (%s); retrying in %.2f s (lease left %.0f s)",
                             self.job_id, what, type(exc.orig if getattr(exc, "orig", None) else exc).__name__,
                             delay, left)
@@ -85,6 +91,8 @@ class LeaseKeeper(threading.Thread):
                 log.warning("job %s: heartbeat failed (%s: %s)", self.job_id, type(exc).__name__,
                             str(exc).splitlines()[0][:200] if str(exc) else "")
                 if time.monotonic() - last_ok > self.lease_seconds:
+                    log.warning("job %s attempt %d: lease lost: no heartbeat got through for %.0f s (lease %.0f s)",
+                                self.job_id, self.attempt, time.monotonic() - last_ok, self.lease_seconds)
                     self.lost.set()
                     return
 
