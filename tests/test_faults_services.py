@@ -189,6 +189,24 @@ def env_for(worker_queue_env: dict[str, str], **over: str) -> dict[str, str]:
 
 
 # -- the faults ----------------------------------------------------------------------------------
+@contextmanager
+def worker_on_private_postgres(worker_queue_env: dict[str, str], start_workers: Any, label: str,
+                               **settings: str) -> Iterator[tuple[PrivatePostgres, dict[str, str], Any, Key]]:
+    """A private Postgres (stopped and started by the test), the env pointing at it with the given
+    worker settings, one Celery worker started with them and an API key there; destroyed after."""
+    if os.geteuid() == 0 and not shutil.which("runuser"):
+        pytest.skip("runuser is needed to start Postgres as the postgres user")
+    pg = PrivatePostgres()
+    try:
+        pg.start()
+        url = pg.create_db()
+        env = env_for(worker_queue_env, DATABASE_URL=url, **settings)
+        [worker] = start_workers(1, **{k: env[k] for k in ("DATABASE_URL", "QERL_CELERY_QUEUE", *settings)})
+        yield pg, env, worker, key_in(url, label)
+    finally:
+        pg.destroy()
+
+
 def test_redis_stopped_and_restarted_loses_no_job(worker_queue_env, start_workers, fresh_db, tmp_path):
     redis = PrivateRedis(tmp_path / "redis.log")
     redis.start()
@@ -233,16 +251,9 @@ def test_redis_stopped_and_restarted_loses_no_job(worker_queue_env, start_worker
 def test_postgres_restart_answers_503_and_the_worker_finishes(worker_queue_env, start_workers, tmp_path):
     """An 18 s outage (the lease is 30 s): every API request answers 503, the running job's worker
     retries its writes with back-off and finishes on attempt 1 with every step's metrics."""
-    if os.geteuid() == 0 and not shutil.which("runuser"):
-        pytest.skip("runuser is needed to start Postgres as the postgres user")
-    pg = PrivatePostgres()
-    try:
-        pg.start()
-        url = pg.create_db()
-        env = env_for(worker_queue_env, DATABASE_URL=url, QERL_LEASE_SECONDS="30", QERL_HEARTBEAT_SECONDS="1")
-        [worker] = start_workers(1, **{k: env[k] for k in ("DATABASE_URL", "QERL_CELERY_QUEUE", "QERL_LEASE_SECONDS",
-                                                           "QERL_HEARTBEAT_SECONDS")})
-        key = key_in(url, "pg")
+    with worker_on_private_postgres(worker_queue_env, start_workers, "pg", QERL_LEASE_SECONDS="30",
+                                    QERL_HEARTBEAT_SECONDS="1") as (pg, env, worker, key):
+        url = env["DATABASE_URL"]
         with api(env, tmp_path) as client:
             job_id = client.post("/v1/fine_tuning/jobs", headers=key.headers,
                                  json=tiny_job(steps=PG_JOB_STEPS)).json()["id"]
@@ -279,8 +290,6 @@ def test_postgres_restart_answers_503_and_the_worker_finishes(worker_queue_env, 
             assert s.scalar(select(func.count()).select_from(JobEvent).where(  # no requeue, no second start
                 JobEvent.job_id == job_id, JobEvent.message.like("%attempt 2%"))) == 0
         engine.dispose()
-    finally:
-        pg.destroy()
 
 
 def test_postgres_down_longer_than_the_lease_requeues_once_and_resumes_from_the_checkpoint(
@@ -291,17 +300,10 @@ def test_postgres_down_longer_than_the_lease_requeues_once_and_resumes_from_the_
     job once and the same worker resumes it from the latest recorded checkpoint on attempt 2. Every
     step's metrics are there, steps up to that checkpoint were not run again, and attempt 1 wrote
     nothing after the reap."""
-    if os.geteuid() == 0 and not shutil.which("runuser"):
-        pytest.skip("runuser is needed to start Postgres as the postgres user")
-    pg = PrivatePostgres()
-    try:
-        pg.start()
-        url = pg.create_db()
-        env = env_for(worker_queue_env, DATABASE_URL=url, QERL_LEASE_SECONDS=str(PG_LEASE_S),
-                      QERL_HEARTBEAT_SECONDS="1", QERL_REAP_INTERVAL_SECONDS="1")
-        [worker] = start_workers(1, **{k: env[k] for k in ("DATABASE_URL", "QERL_CELERY_QUEUE", "QERL_LEASE_SECONDS",
-                                                           "QERL_HEARTBEAT_SECONDS", "QERL_REAP_INTERVAL_SECONDS")})
-        key = key_in(url, "pg-long")
+    with worker_on_private_postgres(worker_queue_env, start_workers, "pg-long", QERL_LEASE_SECONDS=str(PG_LEASE_S),
+                                    QERL_HEARTBEAT_SECONDS="1",
+                                    QERL_REAP_INTERVAL_SECONDS="1") as (pg, env, worker, key):
+        url = env["DATABASE_URL"]
         with api(env, tmp_path) as client:
             job_id = client.post("/v1/fine_tuning/jobs", headers=key.headers,
                                  json=tiny_job(steps=PG_LONG_JOB_STEPS)).json()["id"]
@@ -359,8 +361,6 @@ def test_postgres_down_longer_than_the_lease_requeues_once_and_resumes_from_the_
         # what the API shows: every step once, from the attempt that counts (the latest)
         assert [(m["step"], m["attempt"]) for m in shown if m["step"] > 0] == \
             [(n, 1 if n <= resumed else 2) for n in range(1, PG_LONG_JOB_STEPS + 1)], shown
-    finally:
-        pg.destroy()
 
 
 def test_a_job_over_its_max_runtime_fails_once_with_a_clear_code(worker_queue_env, start_workers, fresh_db,
