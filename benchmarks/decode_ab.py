@@ -9,7 +9,7 @@ at every launch); the first variant is the reference:
     python3 benchmarks/decode_ab.py --size 7b --method nvfp4 --batches 1,8 --rounds 3 \\
         --variant base: \\
         --variant qkv2:engine.rollout.cuda_graph.QKV_EPILOGUE_ROWS=2 \\
-        --variant norm:engine.rollout.cuda_graph.FUSED_NORM_ROWS=16,engine.rollout.cuda_graph.FUSED_NORM_MIN_HIDDEN=0 \
+        --variant norm:engine.rollout.cuda_graph.FUSED_NORM_ROWS=16,engine.rollout.cuda_graph.FUSED_NORM_MIN_HIDDEN=0 \\
         --variant cluster:env.QERL_SHRINK_CLUSTER=1
 
 Each run is benchmarks/rollout.py's (``run_config``) under the variant: the engine built, warmed
