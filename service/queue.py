@@ -3,12 +3,12 @@
 Why this shape (DESIGN.md): a lost, duplicated or late message must never lose, duplicate or
 corrupt a job. So a worker *claims* the row atomically (queued -> running, ``attempt + 1``),
 holds a lease it renews by heartbeat, and writes only while ``id, attempt`` still match a
-running/cancelling row (``attempt`` is the fencing token). A reaper returns jobs whose lease
+running/cancelling/pausing row (``attempt`` is the fencing token). A reaper returns jobs whose lease
 expired to ``queued`` (resume from the latest checkpoint) or fails them after
 ``max_attempts``; a sweeper re-sends wake-ups nobody acted on.
 
-Every public function here is one transaction and commits it, except cancel() (the API's
-request commits it). Times are UTC from this host's clock (keep hosts NTP-synced; leases are
+Every public function here is one transaction and commits it, except cancel(), pause() and
+resume() (the API's request commits them). Times are UTC from this host's clock (keep hosts NTP-synced; leases are
 tens of seconds).
 Torch-free, and Celery is imported only when a Celery sender is configured.
 """
@@ -26,7 +26,7 @@ from service.models import Checkpoint, Job, JobEvent, utcnow
 
 log = logging.getLogger(__name__)
 
-ACTIVE = ("running", "cancelling")  # a worker holds the lease
+ACTIVE = ("running", "cancelling", "pausing")  # a worker holds the lease
 TERMINAL = ("succeeded", "failed", "cancelled")
 TASK_NAME = "qerl.run_job"
 
@@ -170,18 +170,18 @@ def _claim_locked(session: Session, job_id: str | None, worker_id: str, lease_se
     return session.get(Job, job_id, populate_existing=True)
 
 
-def heartbeat(session: Session, job_id: str, attempt: int, worker_id: str, *, lease_seconds: float = 60) -> bool:
-    """Extend the lease iff this worker still owns this attempt; return cancel_requested.
-    Raises LeaseLost otherwise."""
+def heartbeat(session: Session, job_id: str, attempt: int, worker_id: str, *, lease_seconds: float = 60) -> str:
+    """Extend the lease iff this worker still owns this attempt; return the job's status
+    (``cancelling`` or ``pausing``: the runner stops). Raises LeaseLost otherwise."""
     now = utcnow()
     row = session.execute(
         update(Job).where(_owned(job_id, attempt), Job.lease_owner == worker_id)
         .values(lease_expires_at=now + timedelta(seconds=lease_seconds), heartbeat_at=now)
-        .returning(Job.cancel_requested)).first()
+        .returning(Job.status)).first()
     session.commit()
     if row is None:
         raise LeaseLost(f"job {job_id} attempt {attempt} is no longer held by {worker_id}")
-    return bool(row[0])
+    return row[0]
 
 
 def _owned(job_id: str, attempt: int):
@@ -244,22 +244,28 @@ def finish(session: Session, job_id: str, attempt: int, status: str, *, error_co
     return status
 
 
-def requeue(session: Session, job_id: str, attempt: int, reason: str) -> bool:
-    """A worker hands its job back (warm shutdown): queued again, resuming from the latest
-    checkpoint. It does not use up an attempt (max_attempts + 1). False if it was cancelling
-    (then it is cancelled instead)."""
-    if fence(session, job_id, attempt) == "cancelling":
+def requeue(session: Session, job_id: str, attempt: int, reason: str) -> str:
+    """A worker hands its job back (warm shutdown, or the engine stopped for a pause): queued
+    again (and woken), or ``paused`` if a pause was asked for, resuming from the latest
+    checkpoint either way. It does not use up an attempt (max_attempts + 1). A job that was
+    cancelling is cancelled instead. Returns the status written."""
+    current = fence(session, job_id, attempt)
+    if current == "cancelling":
         session.rollback()
-        finish(session, job_id, attempt, "cancelled")
-        return False
+        return finish(session, job_id, attempt, "cancelled")
     ckpt = latest_checkpoint(session, job_id)
+    status = "paused" if current == "pausing" else "queued"
     session.execute(update(Job).where(Job.id == job_id).values(
-        status="queued", lease_owner=None, lease_expires_at=None, max_attempts=Job.max_attempts + 1,
+        status=status, lease_owner=None, lease_expires_at=None, max_attempts=Job.max_attempts + 1,
         resume_checkpoint_id=ckpt.id if ckpt else None, step=ckpt.step if ckpt else 0))
-    add_event(session, job_id, attempt, f"{reason}; job requeued, will resume {_from(ckpt)}", level="warn")
+    if status == "paused":
+        add_event(session, job_id, attempt, f"The job was paused; it will resume {_from(ckpt)} when resumed")
+    else:
+        add_event(session, job_id, attempt, f"{reason}; job requeued, will resume {_from(ckpt)}", level="warn")
     session.commit()
-    _wake_quietly(session, job_id)
-    return True
+    if status == "queued":
+        _wake_quietly(session, job_id)
+    return status
 
 
 def _from(ckpt: Checkpoint | None) -> str:
@@ -267,17 +273,18 @@ def _from(ckpt: Checkpoint | None) -> str:
 
 
 def cancel(session: Session, job: Job) -> Job:
-    """API cancel: queued -> cancelled now; running -> cancelling (the engine stops within a
-    step and the runner marks it cancelled); cancelling stays; terminal -> JobConflict.
-    Flushes; the caller commits."""
+    """API cancel: queued or paused -> cancelled now; running or pausing -> cancelling (the engine
+    stops within a step and the runner marks it cancelled); cancelling stays; terminal ->
+    JobConflict. Flushes; the caller commits."""
     for _ in range(4):  # each branch is a conditional UPDATE, so a racing claim/finish is seen
-        row = session.execute(update(Job).where(Job.id == job.id, Job.status.in_(("queued", "validating_files")))
+        row = session.execute(update(Job).where(Job.id == job.id, Job.status.in_(("queued", "validating_files",
+                                                                                   "paused")))
                               .values(status="cancelled", finished_at=utcnow(), cancel_requested=True)
                               .returning(Job.attempt)).first()
         if row is not None:
             add_event(session, job.id, row[0], "The job was cancelled")
             break
-        row = session.execute(update(Job).where(Job.id == job.id, Job.status == "running")
+        row = session.execute(update(Job).where(Job.id == job.id, Job.status.in_(("running", "pausing")))
                               .values(status="cancelling", cancel_requested=True).returning(Job.attempt)).first()
         if row is not None:
             add_event(session, job.id, row[0], "Cancellation requested; the job stops after the current step")
@@ -294,6 +301,56 @@ def cancel(session: Session, job: Job) -> Job:
 
 def _past(status: str) -> str:
     return {"succeeded": "succeeded", "failed": "failed", "cancelled": "been cancelled"}[status]
+
+
+def pause(session: Session, job: Job) -> Job:
+    """API pause: queued -> paused now; running -> pausing (the engine stops within a step,
+    saving a checkpoint, and the runner marks it paused); pausing and paused stay;
+    cancelling and terminal -> JobConflict. Flushes; the caller commits."""
+    for _ in range(4):  # each branch is a conditional UPDATE, so a racing claim/finish is seen
+        row = session.execute(update(Job).where(Job.id == job.id, Job.status.in_(("queued", "validating_files")))
+                              .values(status="paused").returning(Job.attempt)).first()
+        if row is not None:
+            add_event(session, job.id, row[0], "The job was paused before it started; resume it to queue it again")
+            break
+        row = session.execute(update(Job).where(Job.id == job.id, Job.status == "running")
+                              .values(status="pausing").returning(Job.attempt)).first()
+        if row is not None:
+            add_event(session, job.id, row[0], "Pause requested; the job saves a checkpoint after the current step")
+            break
+        status = session.execute(select(Job.status).where(Job.id == job.id)).scalar()
+        if status in ("pausing", "paused"):
+            break
+        if status == "cancelling":
+            raise JobConflict(f"Job {job.id} is being cancelled; it cannot be paused")
+        if status in TERMINAL:
+            raise JobConflict(f"Job {job.id} has already {_past(status)}; only queued or running jobs can be paused")
+    session.flush()
+    session.refresh(job)
+    return job
+
+
+def resume(session: Session, job: Job) -> Job:
+    """API resume: paused -> queued (from the latest checkpoint; the caller wakes a worker
+    after committing); queued, running and validating_files stay (nothing to resume); pausing,
+    cancelling and terminal -> JobConflict. Flushes; the caller commits."""
+    row = session.execute(update(Job).where(Job.id == job.id, Job.status == "paused")
+                          .values(status="queued", wakeup_sent_at=None).returning(Job.attempt, Job.step)).first()
+    if row is not None:
+        ckpt = latest_checkpoint(session, job.id)
+        add_event(session, job.id, row[0], f"The job was resumed; it is queued and will resume {_from(ckpt)}")
+    else:
+        status = session.execute(select(Job.status).where(Job.id == job.id)).scalar()
+        if status == "pausing":
+            raise JobConflict(f"Job {job.id} is still pausing (saving its checkpoint); resume it once its status "
+                              "is paused")
+        if status == "cancelling":
+            raise JobConflict(f"Job {job.id} is being cancelled; it cannot be resumed")
+        if status in TERMINAL:
+            raise JobConflict(f"Job {job.id} has already {_past(status)}; only paused jobs can be resumed")
+    session.flush()
+    session.refresh(job)
+    return job
 
 
 # -- recovery ---------------------------------------------------------------------------------
@@ -335,7 +392,8 @@ def _exit_cause(session: Session, job_id: str, attempt: int) -> str:
 
 def reap(session: Session) -> list[str]:
     """Jobs whose lease expired: back to queued (resume from the latest checkpoint), failed
-    ``worker_lost`` after max_attempts, or cancelled if they were cancelling. Idempotent and
+    ``worker_lost`` after max_attempts, cancelled if they were cancelling, or paused (resuming
+    from the latest checkpoint once resumed) if they were pausing. Idempotent and
     safe to run in every worker at once. Returns the requeued ids (already woken)."""
     now = utcnow()
     rows = session.execute(select(Job.id, Job.status, Job.attempt, Job.max_attempts)
@@ -349,6 +407,10 @@ def reap(session: Session) -> list[str]:
         if status == "cancelling":
             values, level = dict(status="cancelled", finished_at=now, **cleared), "info"
             msg = "Worker lost while cancelling; the job was cancelled"
+        elif status == "pausing":
+            values, level = dict(status="paused", resume_checkpoint_id=ckpt.id if ckpt else None,
+                                 step=ckpt.step if ckpt else 0, **cleared), "warn"
+            msg = f"Worker lost while pausing; the job was paused and will resume {_from(ckpt)} when resumed"
         elif attempt >= max_attempts:
             msg = (f"Worker lost on attempt {attempt} of {max_attempts}{_exit_cause(session, job_id, attempt)}; "
                    f"giving up (last checkpoint step {ckpt.step if ckpt else 0})")

@@ -9,7 +9,7 @@ from service import models as m
 from service import schemas as s
 
 TERMINAL = ("succeeded", "failed", "cancelled")
-ACTIVE = ("validating_files", "queued", "running", "cancelling")
+ACTIVE = ("validating_files", "queued", "running", "cancelling", "pausing", "paused")  # not finished
 DEFAULT_LR = 1e-5
 
 

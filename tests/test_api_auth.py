@@ -38,6 +38,8 @@ def test_other_projects_objects_are_404(client, key_a, key_b):
     for method, path in [("GET", f"/v1/files/{fid}"), ("GET", f"/v1/files/{fid}/content"),
                          ("DELETE", f"/v1/files/{fid}"), ("GET", f"/v1/fine_tuning/jobs/{job_id}"),
                          ("POST", f"/v1/fine_tuning/jobs/{job_id}/cancel"),
+                         ("POST", f"/v1/fine_tuning/jobs/{job_id}/pause"),
+                         ("POST", f"/v1/fine_tuning/jobs/{job_id}/resume"),
                          ("GET", f"/v1/fine_tuning/jobs/{job_id}/events"),
                          ("GET", f"/v1/fine_tuning/jobs/{job_id}/metrics"),
                          ("GET", f"/v1/fine_tuning/jobs/{job_id}/checkpoints")]:

@@ -149,5 +149,7 @@ def test_delete_refused_while_a_job_uses_the_file(client, key_a):
     err = assert_error(client.delete(f"/v1/files/{f['id']}", headers=key_a.headers), 409, code="file_in_use")
     assert job.json()["id"] in err["message"]
     assert client.get(f"/v1/files/{f['id']}/content", headers=key_a.headers).status_code == 200
+    assert client.post(f"/v1/fine_tuning/jobs/{job.json()['id']}/pause", headers=key_a.headers).status_code == 200
+    assert_error(client.delete(f"/v1/files/{f['id']}", headers=key_a.headers), 409, code="file_in_use")  # resumable
     assert client.post(f"/v1/fine_tuning/jobs/{job.json()['id']}/cancel", headers=key_a.headers).status_code == 200
     assert client.delete(f"/v1/files/{f['id']}", headers=key_a.headers).json()["deleted"] is True

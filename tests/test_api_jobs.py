@@ -1,5 +1,6 @@
 """/v1/fine_tuning/jobs against Postgres and SQLite: create (request -> TrainSpec), every bad
 input answering the right status in OpenAI's shape with no row left, list/retrieve/cancel,
+pause/resume,
 Idempotency-Key (sequential and 20 concurrent requests), metrics and checkpoints."""
 from __future__ import annotations
 
@@ -201,6 +202,41 @@ def test_cancel_of_a_running_job_asks_the_worker(client, key_a, file_id, db_sess
     assert resp["qerl"]["attempt"] == 1 and resp["finished_at"] is None
     again = client.post(f"/v1/fine_tuning/jobs/{job_id}/cancel", headers=key_a.headers)
     assert again.status_code == 200 and again.json()["status"] == "cancelling"
+
+
+def test_pause_and_resume_over_the_api(client, key_a, file_id, db_sessions, dispatched):
+    queued, running = (client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=body(file_id)).json()["id"]
+                       for _ in range(2))
+    paused = client.post(f"/v1/fine_tuning/jobs/{queued}/pause", headers=key_a.headers)
+    assert paused.status_code == 200 and paused.json()["status"] == "paused" and paused.json()["finished_at"] is None
+    assert [j["id"] for j in client.get("/v1/fine_tuning/jobs", headers=key_a.headers,
+                                        params={"status": "paused"}).json()["data"]] == [queued]
+    dispatched.clear()
+    resumed = client.post(f"/v1/fine_tuning/jobs/{queued}/resume", headers=key_a.headers)
+    assert resumed.status_code == 200 and resumed.json()["status"] == "queued"
+    assert dispatched == [queued]  # a worker is told at once
+
+    with db_sessions() as s:
+        assert queue.claim(s, running, "test-worker", lease_seconds=60) is not None  # as a worker would
+    pausing = client.post(f"/v1/fine_tuning/jobs/{running}/pause", headers=key_a.headers).json()
+    assert pausing["status"] == "pausing" and pausing["qerl"]["cancel_requested"] is False
+    err = assert_error(client.post(f"/v1/fine_tuning/jobs/{running}/resume", headers=key_a.headers), 409,
+                       code="job_not_resumable", param="fine_tuning_job_id")
+    assert "still pausing" in err["message"]
+    with db_sessions() as s:
+        assert queue.requeue(s, running, 1, "stopped") == "paused"  # as the runner does once the engine stops
+    assert client.get(f"/v1/fine_tuning/jobs/{running}", headers=key_a.headers).json()["status"] == "paused"
+    assert client.post(f"/v1/fine_tuning/jobs/{running}/pause", headers=key_a.headers).json()["status"] == "paused"
+    cancelled = client.post(f"/v1/fine_tuning/jobs/{running}/cancel", headers=key_a.headers).json()
+    assert cancelled["status"] == "cancelled" and cancelled["finished_at"] is not None
+    err = assert_error(client.post(f"/v1/fine_tuning/jobs/{running}/pause", headers=key_a.headers), 409,
+                       code="job_not_pausable")
+    assert "only queued or running jobs can be paused" in err["message"]
+    err = assert_error(client.post(f"/v1/fine_tuning/jobs/{running}/resume", headers=key_a.headers), 409,
+                       code="job_not_resumable")
+    assert "only paused jobs can be resumed" in err["message"]
+    for verb in ("pause", "resume"):
+        assert_error(client.post(f"/v1/fine_tuning/jobs/ftjob-nope/{verb}", headers=key_a.headers), 404)
 
 
 def test_idempotency_key(client, key_a, file_id, db_sessions):

@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy import select, update
 
 from service import queue
-from service.models import Adapter, Job, utcnow
+from service.models import Adapter, Checkpoint, Job, utcnow
 from tests._worker_fixtures import cancel_leftovers, events, make_job
 
 SPEC = {"model": "tiny", "steps": 3}
@@ -91,20 +91,23 @@ def test_claim_sets_lease_and_keeps_first_start_time(sessions):
             assert queue.claim(s, make_job(s, SPEC, status=status).id, "w1") is None
 
 
-def test_heartbeat_extends_the_lease_and_reports_cancel(sessions):
+def test_heartbeat_extends_the_lease_and_reports_cancel_and_pause(sessions):
     with sessions() as s:
         jid = make_job(s, SPEC).id
         job = queue.claim(s, jid, "w1", lease_seconds=5)
         first = _aware(job.lease_expires_at)
-        assert queue.heartbeat(s, jid, 1, "w1", lease_seconds=60) is False
+        assert queue.heartbeat(s, jid, 1, "w1", lease_seconds=60) == "running"
         assert _aware(s.get(Job, jid, populate_existing=True).lease_expires_at) > first + timedelta(seconds=50)
         with pytest.raises(queue.LeaseLost):
             queue.heartbeat(s, jid, 1, "someone-else")
         with pytest.raises(queue.LeaseLost):
             queue.heartbeat(s, jid, 2, "w1")
-        queue.cancel(s, s.get(Job, jid))
+        queue.pause(s, s.get(Job, jid))
         s.commit()
-        assert queue.heartbeat(s, jid, 1, "w1") is True  # cancelling: the runner stops
+        assert queue.heartbeat(s, jid, 1, "w1") == "pausing"  # the runner stops, saving a checkpoint
+        queue.cancel(s, s.get(Job, jid))  # a cancel overrides a pause in flight
+        s.commit()
+        assert queue.heartbeat(s, jid, 1, "w1") == "cancelling"  # the runner stops
 
 
 def test_cancel_moves_each_state_the_right_way(sessions):
@@ -130,6 +133,76 @@ def test_cancel_moves_each_state_the_right_way(sessions):
             with pytest.raises(queue.JobConflict, match="only queued or running jobs can be cancelled"):
                 queue.cancel(s, done)
             s.rollback()
+
+        paused = make_job(s, SPEC, status="paused")
+        queue.cancel(s, paused)
+        s.commit()
+        assert paused.status == "cancelled" and paused.finished_at is not None
+
+
+def test_pause_and_resume_move_each_state_the_right_way(sessions, dispatched):
+    with sessions() as s:
+        queued = make_job(s, SPEC)
+        queue.pause(s, queued)
+        s.commit()
+        assert queued.status == "paused" and queued.finished_at is None
+        assert queue.claim(s, queued.id, "w1") is None  # a late wake-up claims nothing
+        queue.pause(s, queued)  # again: idempotent
+        s.commit()
+        assert sum("paused" in e.message for e in events(s, queued.id)) == 1
+        queue.resume(s, queued)
+        s.commit()
+        assert queued.status == "queued"
+        assert events(s, queued.id)[-1].message == ("The job was resumed; it is queued and will resume from step 0 "
+                                                    "(no checkpoint yet)")
+        queue.resume(s, queued)  # already queued: nothing to resume, no event
+        s.commit()
+        assert queued.status == "queued" and "resumed" in events(s, queued.id)[-1].message
+        assert sum("resumed" in e.message for e in events(s, queued.id)) == 1
+
+        running = make_job(s, SPEC)
+        queue.claim(s, running.id, "w1")
+        queue.pause(s, running)
+        s.commit()
+        assert running.status == "pausing" and not running.cancel_requested
+        queue.pause(s, running)
+        s.commit()
+        assert sum("Pause requested" in e.message for e in events(s, running.id)) == 1
+        with pytest.raises(queue.JobConflict, match="still pausing.*once its status is paused"):
+            queue.resume(s, running)
+        s.rollback()
+        s.add(Checkpoint(job_id=running.id, attempt=1, step=3, path="x"))
+        s.commit()
+        assert queue.requeue(s, running.id, 1, "Worker shutting down") == "paused"  # the engine stopped
+        got = s.get(Job, running.id, populate_existing=True)
+        ckpt = s.get(Checkpoint, got.resume_checkpoint_id)
+        assert (got.status, got.lease_owner, got.step, ckpt.step, got.max_attempts) == ("paused", None, 3, 3, 4)
+        assert events(s, running.id)[-1].message == ("The job was paused; it will resume from checkpoint step 3 "
+                                                     "when resumed")
+        assert running.id not in dispatched  # a paused job is nobody's to claim
+        queue.resume(s, got)
+        s.commit()
+        again = queue.claim(s, running.id, "w2")
+        assert (again.attempt, again.resume_checkpoint_id) == (2, ckpt.id)
+        assert events(s, running.id)[-1].message == "Resuming from checkpoint step 3 (attempt 2)"
+
+        queue.cancel(s, again)
+        s.commit()
+        with pytest.raises(queue.JobConflict, match="being cancelled; it cannot be paused"):
+            queue.pause(s, again)
+        s.rollback()
+        with pytest.raises(queue.JobConflict, match="being cancelled; it cannot be resumed"):
+            queue.resume(s, again)
+        s.rollback()
+        for status in ("succeeded", "failed", "cancelled"):
+            done = make_job(s, SPEC, status=status)
+            with pytest.raises(queue.JobConflict, match="only queued or running jobs can be paused"):
+                queue.pause(s, done)
+            s.rollback()
+            with pytest.raises(queue.JobConflict, match="only paused jobs can be resumed"):
+                queue.resume(s, done)
+            s.rollback()
+            assert s.get(Job, done.id, populate_existing=True).status == status
 
 
 def test_finish_writes_outcomes_and_only_once(sessions):

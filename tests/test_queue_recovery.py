@@ -86,6 +86,21 @@ def test_reap_finishes_an_abandoned_cancel(sessions, dispatched):
         assert s.get(Job, job.id, populate_existing=True).status == "cancelled"
 
 
+def test_reap_pauses_a_job_whose_worker_died_while_pausing(sessions, dispatched):
+    with sessions() as s:
+        job = _running(s)
+        s.add(Checkpoint(job_id=job.id, attempt=1, step=2, path="x"))
+        queue.pause(s, job)
+        s.commit()
+        _expire(s, job.id)
+        assert queue.reap(s) == []  # not requeued: the user asked for a pause
+        got = s.get(Job, job.id, populate_existing=True)
+        assert (got.status, got.lease_owner, got.step, got.finished_at) == ("paused", None, 2, None)
+        assert events(s, job.id)[-1].message == ("Worker lost while pausing; the job was paused and will resume "
+                                                 "from checkpoint step 2 when resumed")
+        assert dispatched == []
+
+
 def test_concurrent_reapers_requeue_once(sessions, dispatched):
     with sessions() as s:
         ids = [_running(s).id for _ in range(5)]
@@ -165,7 +180,7 @@ def test_requeue_on_shutdown_keeps_the_attempt_budget(sessions, dispatched):
         job = _running(s, max_attempts=3)
         s.add(Checkpoint(job_id=job.id, attempt=1, step=3, path="x"))
         s.commit()
-        assert queue.requeue(s, job.id, 1, "Worker shutting down") is True
+        assert queue.requeue(s, job.id, 1, "Worker shutting down") == "queued"
         got = s.get(Job, job.id, populate_existing=True)
         assert (got.status, got.max_attempts, got.step, got.lease_owner) == ("queued", 4, 3, None)
         assert events(s, job.id)[-1].message == ("Worker shutting down; job requeued, will resume from "
@@ -175,7 +190,7 @@ def test_requeue_on_shutdown_keeps_the_attempt_budget(sessions, dispatched):
         cancelling = _running(s)
         queue.cancel(s, cancelling)
         s.commit()
-        assert queue.requeue(s, cancelling.id, 1, "Worker shutting down") is False
+        assert queue.requeue(s, cancelling.id, 1, "Worker shutting down") == "cancelled"
         assert s.get(Job, cancelling.id, populate_existing=True).status == "cancelled"
 
 

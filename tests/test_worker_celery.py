@@ -1,6 +1,6 @@
 """Real Celery worker processes, real Redis and Postgres, the real engine on the tiny model:
-exclusive claims under duplicate messages, SIGKILL recovery from a checkpoint, cancel, fencing
-of a frozen worker, the sweeper, and warm shutdown."""
+exclusive claims under duplicate messages, SIGKILL recovery from a checkpoint, cancel, pause and
+resume, fencing of a frozen worker, the sweeper, and warm shutdown."""
 from __future__ import annotations
 
 import signal
@@ -129,6 +129,36 @@ def test_cancel_a_queued_and_a_running_job(start_workers, pg_sessions):
     with pg_sessions() as s:
         assert max(_metric_steps(s, running, 1)) <= seen + 2
         assert s.get(Job, waiting).attempt == 0  # its late message found nothing to do
+
+
+def test_pausing_a_running_job_frees_the_worker_and_resume_continues_from_its_checkpoint(start_workers, pg_sessions):
+    start_workers(1, **CALM)
+    with pg_sessions() as s:
+        long = make_job(s, tiny_spec("tiny", steps=12, checkpoint_interval=0)).id
+        short = make_job(s, tiny_spec("tiny", steps=2)).id
+    _wake(pg_sessions, long, short)  # the second waits behind the first: the only worker is busy
+    with pg_sessions() as s:
+        _wait(lambda: (s.get(Job, long, populate_existing=True).step >= 2), 120, "two steps")
+        assert s.get(Job, short).status == "queued"
+        queue.pause(s, s.get(Job, long))
+        s.commit()
+    paused = wait_for_status(pg_sessions, long, ("paused", "succeeded", "failed", "cancelled"), timeout=60)
+    assert paused.status == "paused" and 2 <= paused.step < 12
+    done = wait_for_status(pg_sessions, short, ("succeeded", "failed", "cancelled"), timeout=120)
+    assert done.status == "succeeded"  # the worker took the waiting job while the first one is paused
+    with pg_sessions() as s:
+        assert s.get(Job, long).status == "paused"
+        queue.resume(s, s.get(Job, long))
+        s.commit()
+    _wake(pg_sessions, long)
+    done = wait_for_status(pg_sessions, long, ("succeeded", "failed", "cancelled"), timeout=180)
+    assert done.status == "succeeded" and done.attempt == 2 and done.adapter_id is not None
+    with pg_sessions() as s:
+        assert _metric_steps(s, long, 1)[-1] == paused.step  # the first run stopped at the checkpoint it saved
+        assert _metric_steps(s, long, 2) == list(range(paused.step + 1, 13))
+        msgs = [e.message for e in events(s, long)]
+        assert f"Resuming from checkpoint step {paused.step} (attempt 2)" in msgs
+        assert not any(m.startswith(("Worker lost", "Worker shutting down")) for m in msgs)
 
 
 def test_a_frozen_worker_cannot_write_after_it_was_reaped(start_workers, pg_sessions):

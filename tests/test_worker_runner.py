@@ -142,6 +142,38 @@ def test_shutdown_requeues_and_the_next_run_resumes(ctx, sessions):
         assert any(m.startswith("Worker shutting down; job requeued") for m in msgs)
 
 
+def test_pause_stops_at_a_checkpoint_and_resume_continues_from_it(ctx, sessions, dispatched):
+    with sessions() as s:
+        job = make_job(s, tiny_spec("tiny", steps=8, checkpoint_interval=0))  # no periodic checkpoints
+    t, out = _run_in_thread(ctx, job.id)
+    _wait_step(sessions, job.id, 2)
+    with sessions() as s:
+        queue.pause(s, s.get(Job, job.id))
+        s.commit()
+    t0 = time.monotonic()
+    t.join(60)
+    assert out == ["paused"] and time.monotonic() - t0 < 10
+    with sessions() as s:
+        got = s.get(Job, job.id)
+        stopped_at = max(m.step for m in _metrics(s, job.id))
+        ckpt = s.get(Checkpoint, got.resume_checkpoint_id)
+        assert (got.status, got.attempt, got.max_attempts, got.adapter_id) == ("paused", 1, 4, None)
+        assert ckpt.step == stopped_at == got.step < 8  # the engine saved the step it stopped at
+    assert job.id not in dispatched and run_job(ctx, job.id) == "skipped"  # nobody runs a paused job
+    with sessions() as s:
+        queue.resume(s, s.get(Job, job.id))
+        s.commit()
+    assert run_job(ctx, job.id) == "succeeded"
+    with sessions() as s:
+        got = s.get(Job, job.id)
+        second = [m.step for m in _metrics(s, job.id) if m.attempt == 2]
+        assert got.attempt == 2 and second == list(range(stopped_at + 1, 9)) and got.adapter_id is not None
+        msgs = [e.message for e in events(s, job.id)]
+        assert msgs.index("Pause requested; the job saves a checkpoint after the current step") < msgs.index(
+            f"The job was paused; it will resume from checkpoint step {stopped_at} when resumed") < msgs.index(
+            f"Resuming from checkpoint step {stopped_at} (attempt 2)")
+
+
 def test_a_reaped_run_writes_nothing_more(ctx, sessions):
     with sessions() as s:
         job = make_job(s, tiny_spec("tiny", steps=500, checkpoint_interval=0))

@@ -1,7 +1,7 @@
 """Keeps a claimed job's lease alive from a side thread and turns what it learns into flags.
 
 The engine polls ``should_stop()`` often, so the flags are plain Events it can read without
-touching the database: ``cancelled`` (the API asked), ``lost`` (reaped, re-claimed, or the
+touching the database: ``cancelled`` and ``pausing`` (the API asked), ``lost`` (reaped, re-claimed, or the
 database unreachable for longer than the lease), ``orphaned`` (the Celery parent process died,
 so nobody would collect this child's result).
 
@@ -42,6 +42,7 @@ class LeaseKeeper(threading.Thread):
         self.lease_seconds, self.interval = lease_seconds, interval_seconds
         self.parent_pid = parent_pid
         self.cancelled, self.lost, self.orphaned = threading.Event(), threading.Event(), threading.Event()
+        self.pausing = threading.Event()
         self.renewed_at = time.monotonic()  # the claim just set the lease
         self._halt = threading.Event()
 
@@ -68,6 +69,13 @@ class LeaseKeeper(threading.Thread):
                 time.sleep(delay)
                 delay = min(delay * 2, MAX_RETRY_S)
 
+    def saw(self, status: str) -> None:
+        """The job's status as a write or a heartbeat found it: a cancel or a pause stops the run."""
+        if status == "cancelling":
+            self.cancelled.set()
+        elif status == "pausing":
+            self.pausing.set()
+
     def run(self) -> None:
         last_ok = time.monotonic()
         while not self._halt.wait(self.interval):
@@ -77,8 +85,8 @@ class LeaseKeeper(threading.Thread):
             sent = time.monotonic()  # the new lease runs from (no earlier than) here
             try:
                 with self.sessions() as s:
-                    if queue.heartbeat(s, self.job_id, self.attempt, self.worker_id, lease_seconds=self.lease_seconds):
-                        self.cancelled.set()
+                    self.saw(queue.heartbeat(s, self.job_id, self.attempt, self.worker_id,
+                                             lease_seconds=self.lease_seconds))
                 if sent - last_ok > self.lease_seconds / 2:  # the lease nearly ran out: say why recovery may kick in
                     log.warning("job %s: heartbeat %.1f s after the previous one (lease %.0f s); the host is "
                                 "overloaded or the database slow", self.job_id, sent - last_ok, self.lease_seconds)

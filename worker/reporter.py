@@ -2,7 +2,7 @@
 
 Each call is one short transaction that starts with ``queue.fence`` (so a reaped or
 re-claimed attempt can write nothing) and raises ``LeaseLost`` when the fence fails; the
-engine lets that propagate. A metrics write also notices a pending cancel, so the runner
+engine lets that propagate. Every write also notices a pending cancel or pause, so the runner
 stops within one step even between heartbeats. A write that finds the database down (a
 restart) is retried by ``retry`` (``LeaseKeeper.retry``: back-off while the lease lasts), so
 the run waits out the outage instead of failing.
@@ -49,9 +49,9 @@ def step_message(step: int, total: int, values: dict[str, float | None]) -> str:
 class DBReporter:
     def __init__(self, sessions: Callable[[], Session], job_id: str, attempt: int, *, artifact_dir: Path,
                  total_steps: int, retry: Callable[[Callable[[], None], str], None],
-                 on_cancel: Callable[[], None] = lambda: None) -> None:
+                 on_status: Callable[[str], None] = lambda status: None) -> None:
         self.sessions, self.job_id, self.attempt = sessions, job_id, attempt
-        self.artifact_dir, self.total_steps, self.on_cancel = Path(artifact_dir), total_steps, on_cancel
+        self.artifact_dir, self.total_steps, self.on_status = Path(artifact_dir), total_steps, on_status
         self.retry = retry
 
     # -- the Reporter protocol --------------------------------------------------------------
@@ -100,8 +100,7 @@ class DBReporter:
         """Fence, write, commit: one transaction, retried whole while the database is down."""
         def attempt() -> None:
             with self.sessions() as s:
-                if queue.fence(s, self.job_id, self.attempt) == "cancelling":
-                    self.on_cancel()
+                self.on_status(queue.fence(s, self.job_id, self.attempt))
                 fn(s)
                 s.commit()
 

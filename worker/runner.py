@@ -1,9 +1,10 @@
 """Runs one claimed job: the code shared by the Celery task and the embedded worker thread.
 
 claim -> resolve the spec's files and the resume point -> ``engine.train`` with a DB reporter,
-a lease-keeping side thread and ``should_stop`` = cancel | lease lost | shutdown -> an outcome:
-succeeded (adapter tar.gz + Adapter row), failed (a code the user can act on), cancelled, or
-requeued (shutdown: another worker resumes from the checkpoint the engine saved on stopping).
+a lease-keeping side thread and ``should_stop`` = cancel | pause | lease lost | shutdown -> an
+outcome: succeeded (adapter tar.gz + Adapter row), failed (a code the user can act on),
+cancelled, paused (resumed later from the checkpoint the engine saved on stopping) or requeued
+(shutdown: another worker resumes from that checkpoint).
 Every write is fenced by the attempt, so a worker that lost its lease changes nothing.
 """
 from __future__ import annotations
@@ -64,15 +65,15 @@ def execute(ctx: WorkerContext, job: Job) -> str:
     keeper.start()
 
     def should_stop() -> bool:
-        return (keeper.cancelled.is_set() or keeper.lost.is_set() or keeper.orphaned.is_set()
-                or ctx.shutdown.is_set())
+        return (keeper.cancelled.is_set() or keeper.pausing.is_set() or keeper.lost.is_set()
+                or keeper.orphaned.is_set() or ctx.shutdown.is_set())
 
     log.info("job %s attempt %d: running on %s", job.id, job.attempt, ctx.worker_id)
     try:
         try:
             spec, resume_from = keeper.retry(lambda: _prepare(ctx, job, artifact_dir), "reading the job's files")
             reporter = DBReporter(ctx.sessions, job.id, job.attempt, artifact_dir=artifact_dir, total_steps=spec.steps,
-                                  retry=keeper.retry, on_cancel=keeper.cancelled.set)
+                                  retry=keeper.retry, on_status=keeper.saw)
             result = engine.train(spec, workdir=job_workdir(artifact_dir, job.id), reporter=reporter,
                                   should_stop=should_stop, resume_from=resume_from)
         except queue.LeaseLost:
@@ -86,7 +87,7 @@ def execute(ctx: WorkerContext, job: Job) -> str:
             return _lease_lost(job)
         if keeper.cancelled.is_set():
             return _end(ctx, keeper, job, "cancelled")
-        if result.stopped:
+        if result.stopped:  # paused if a pause was asked for, else handed back to the queue
             reason = ("Worker process lost its parent" if keeper.orphaned.is_set() and not ctx.shutdown.is_set()
                       else "Worker shutting down")
             return _requeue(ctx, keeper, job, reason)
@@ -160,15 +161,16 @@ def _end(ctx: WorkerContext, keeper: LeaseKeeper, job: Job, status: str, **kw: A
 
 
 def _requeue(ctx: WorkerContext, keeper: LeaseKeeper, job: Job, reason: str) -> str:
-    def write() -> bool:
+    def write() -> str:
         with ctx.sessions() as s:
             return queue.requeue(s, job.id, job.attempt, reason)
 
     try:
-        requeued = keeper.retry(write, "handing the job back to the queue")
+        status = keeper.retry(write, "handing the job back to the queue")
     except queue.LeaseLost:
         return _lease_lost(job)
-    return "requeued" if requeued else "cancelled"
+    log.info("job %s attempt %d: %s", job.id, job.attempt, status)
+    return "requeued" if status == "queued" else status
 
 
 def _succeed(ctx: WorkerContext, keeper: LeaseKeeper, job: Job, adapter_dir: Path, artifact_dir: Path) -> str:

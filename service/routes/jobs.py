@@ -1,9 +1,10 @@
-"""/v1/fine_tuning/jobs: create (Idempotency-Key honoured), list, retrieve, cancel."""
+"""/v1/fine_tuning/jobs: create (Idempotency-Key honoured), list, retrieve, cancel, pause, resume."""
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request, Response
@@ -91,17 +92,47 @@ async def get_job(job_id: str, key: CurrentKey, request: Request) -> Response:
     return json_response(job_view(job))
 
 
+def _transition(session: Session, project: str, job_id: str, change: Callable[[Session, Job], Job],
+                conflict_code: str) -> Job:
+    """Apply a queue transition to one of the project's jobs and commit it (409 if the job's state
+    does not allow it: nothing is written then)."""
+    from service import queue
+
+    job = crud.get_job(session, project, job_id)
+    if job is None:
+        raise not_found("fine-tuning job", job_id, "fine_tuning_job_id")
+    try:
+        job = change(session, job)
+    except queue.JobConflict as exc:
+        session.rollback()
+        raise APIError(409, str(exc), code=conflict_code, param="fine_tuning_job_id") from None
+    session.commit()
+    return job
+
+
 @router.post("/{job_id}/cancel", response_model=FineTuningJob)
 def cancel_job(job_id: str, key: CurrentKey, session: SessionDep) -> FineTuningJob:
     from service import queue
 
-    job = crud.get_job(session, key.project, job_id)
-    if job is None:
-        raise not_found("fine-tuning job", job_id, "fine_tuning_job_id")
-    try:
-        job = queue.cancel(session, job)
-    except queue.JobConflict as exc:
-        session.rollback()
-        raise APIError(409, str(exc), code="job_not_cancellable", param="fine_tuning_job_id") from None
-    session.commit()
-    return job_view(job)
+    return job_view(_transition(session, key.project, job_id, queue.cancel, "job_not_cancellable"))
+
+
+@router.post("/{job_id}/pause", response_model=FineTuningJob)
+def pause_job(job_id: str, key: CurrentKey, session: SessionDep) -> FineTuningJob:
+    """queued -> paused; running -> pausing -> paused once the engine has saved a checkpoint
+    (within a step), freeing the worker for the next queued job."""
+    from service import queue
+
+    return job_view(_transition(session, key.project, job_id, queue.pause, "job_not_pausable"))
+
+
+@router.post("/{job_id}/resume", response_model=FineTuningJob)
+def resume_job(job_id: str, key: CurrentKey, session: SessionDep) -> FineTuningJob:
+    """paused -> queued: a worker resumes it from its latest checkpoint."""
+    from service import queue
+
+    job = _transition(session, key.project, job_id, queue.resume, "job_not_resumable")
+    view = job_view(job)
+    if job.status == "queued":  # a duplicate wake-up for a job that was already queued is harmless
+        wake(session, job.id)
+    return view
