@@ -3,7 +3,7 @@
 The server URL and API key come from ``--base-url`` / ``--api-key``, then ``QERL_BASE_URL`` /
 ``QERL_API_KEY``, then the local config the embedded server writes. Failures print the
 server's own message (OpenAI's error shape) and exit 1; ``jobs watch`` exits 1 when the job
-fails and 2 when it is cancelled, so scripts can chain on it.
+fails, 2 when it is cancelled and 3 when it is paused, so scripts can chain on it.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ BaseUrl = Annotated[Optional[str], typer.Option("--base-url", envvar="QERL_BASE_
 ApiKey = Annotated[Optional[str], typer.Option("--api-key", envvar="QERL_API_KEY", show_envvar=True,
                                                help="API key (default: the local config)")]
 AsJson = Annotated[bool, typer.Option("--json", help="print the server's JSON instead of a table")]
-EXIT_FAILED, EXIT_CANCELLED = 1, 2
+EXIT_FAILED, EXIT_CANCELLED, EXIT_PAUSED = 1, 2, 3
 
 
 # -- plumbing ----------------------------------------------------------------------------------
@@ -83,7 +83,8 @@ def _size(n: int | None) -> str:
 
 
 STATUS_STYLE = {"succeeded": "green", "failed": "red", "cancelled": "yellow", "cancelling": "yellow",
-                "running": "cyan", "queued": "blue", "validating_files": "blue"}
+                "running": "cyan", "queued": "blue", "validating_files": "blue", "pausing": "magenta",
+                "paused": "magenta"}
 
 
 def _status(s: str) -> str:
@@ -98,6 +99,11 @@ def _report_outcome(job: dict[str, Any]) -> None:
         if adapter:
             out.print(f"download the adapter: qerl adapters download {adapter} -o ./{adapter}")
         return
+    if status == "paused":
+        step = ((job.get("qerl") or {}).get("progress") or {})
+        out.print(f"[magenta]Job {job['id']} paused[/] at step {step.get('step', 0)}/{step.get('total_steps', '?')}; "
+                  f"resume it with: qerl jobs resume {job['id']}")
+        raise typer.Exit(EXIT_PAUSED)
     e = job.get("error") or {}
     out.print(f"[red]Job {job['id']} {status}[/]" + (f": {e.get('code')}: {escape(str(e.get('message')))}" if e else ""))
     raise typer.Exit(EXIT_FAILED if status == "failed" else EXIT_CANCELLED)
@@ -111,7 +117,7 @@ def _event_line(ev: dict[str, Any]) -> str:
 
 # -- commands ----------------------------------------------------------------------------------
 files_app = typer.Typer(no_args_is_help=True, help="Upload and list training files.")
-jobs_app = typer.Typer(no_args_is_help=True, help="Create, follow and cancel fine-tuning jobs.")
+jobs_app = typer.Typer(no_args_is_help=True, help="Create, follow, pause, resume and cancel fine-tuning jobs.")
 adapters_app = typer.Typer(no_args_is_help=True, help="List and download trained LoRA adapters.")
 
 
@@ -242,18 +248,39 @@ def jobs_get(job_id: str, base_url: BaseUrl = None, api_key: ApiKey = None, as_j
 @_errors_as_messages
 def jobs_cancel(job_id: str, base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJson = False) -> None:
     """Ask a job to stop; a running job saves a checkpoint and winds down (cancelling -> cancelled)."""
+    _job_action(Client.cancel, job_id, base_url, api_key, as_json)
+
+
+def _job_action(action: Callable[[Client, str], dict[str, Any]], job_id: str, base_url: str | None,
+                api_key: str | None, as_json: bool) -> None:
+    """POST one of a job's actions (cancel, pause, resume) and print the job's new status."""
     with _client(base_url, api_key) as client:
-        job = client.cancel(job_id)
+        job = action(client, job_id)
     if as_json:
         return _print_json(job)
     out.print(f"{job['id']} {_status(job['status'])}")
+
+
+@jobs_app.command("pause")
+@_errors_as_messages
+def jobs_pause(job_id: str, base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJson = False) -> None:
+    """Pause a job: a running job saves a checkpoint within a step and frees its worker (pausing -> paused)."""
+    _job_action(Client.pause, job_id, base_url, api_key, as_json)
+
+
+@jobs_app.command("resume")
+@_errors_as_messages
+def jobs_resume(job_id: str, base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJson = False) -> None:
+    """Queue a paused job again; it continues from the checkpoint it saved when it paused."""
+    _job_action(Client.resume, job_id, base_url, api_key, as_json)
 
 
 @jobs_app.command("watch")
 @_errors_as_messages
 def jobs_watch(job_id: str, interval: Annotated[float, typer.Option(help="seconds between status checks")] = 1.0,
                base_url: BaseUrl = None, api_key: ApiKey = None) -> None:
-    """Live progress until the job ends; exit 0 if it succeeded, 1 if it failed, 2 if cancelled."""
+    """Live progress until the job ends or pauses; exit 0 if it succeeded, 1 if it failed, 2 if
+    cancelled, 3 if paused."""
     with _client(base_url, api_key) as client:
         _report_outcome(watch_job(client, job_id, out, interval))
 

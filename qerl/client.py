@@ -31,6 +31,7 @@ def load_local_config() -> dict[str, Any]:
 
 
 TERMINAL_STATES = ("succeeded", "failed", "cancelled")
+PAUSED = "paused"  # not finished: POST .../resume queues it again
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
@@ -100,6 +101,12 @@ class Client:
 
     def cancel(self, job_id: str) -> dict[str, Any]:
         return self.post(f"/v1/fine_tuning/jobs/{job_id}/cancel")
+
+    def pause(self, job_id: str) -> dict[str, Any]:
+        return self.post(f"/v1/fine_tuning/jobs/{job_id}/pause")
+
+    def resume(self, job_id: str) -> dict[str, Any]:
+        return self.post(f"/v1/fine_tuning/jobs/{job_id}/resume")
 
     def list_jobs(self, *, status: str | None = None, limit: int = 20, after: str | None = None) -> dict[str, Any]:
         """One page: {"data": [...], "has_more": bool}, newest first."""

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
 
-from qerl.client import TERMINAL_STATES, Client, QerlError
+from qerl.client import PAUSED, TERMINAL_STATES, Client, QerlError
 
 
 def _metric_values(event: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
@@ -144,7 +144,7 @@ def watch_job(client: Client, job_id: str, console: Console, interval: float = 1
                     _labelled("tok/s", _fmt(latest, "rollout_tokens_per_s", ".0f"))) if p)
                 progress.update(task, description=job["status"], total=total or None, completed=step, info=info,
                                 eta=_eta(step, total, step_seconds, job["qerl"].get("started_at")))
-                if job["status"] in TERMINAL_STATES:
+                if job["status"] in TERMINAL_STATES or job["status"] == PAUSED:
                     for m in client.metrics(job_id):  # what the stream had not delivered yet
                         show(int(m["step"]), m["values"])
                     progress.refresh()

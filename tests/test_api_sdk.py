@@ -1,5 +1,6 @@
 """The official ``openai`` SDK against a live server: files, fine-tuning jobs (create,
-retrieve, list, list_events with auto-pagination, cancel), checkpoints, and its error classes."""
+retrieve, list, list_events with auto-pagination, pause, resume, cancel), checkpoints, and its
+error classes."""
 from __future__ import annotations
 
 import openai
@@ -39,17 +40,24 @@ def test_openai_sdk_round_trip(sdk: OpenAI, key_b, live_server):
     walked = [j.id for j in sdk.fine_tuning.jobs.list(limit=1)]  # auto-pagination with `after`
     assert walked == [others[1], others[0], job.id]
 
+    paused = sdk.fine_tuning.jobs.pause(job.id)
+    assert paused.status == "paused" and paused.finished_at is None
+    assert sdk.fine_tuning.jobs.resume(job.id).status == "queued"
     cancelled = sdk.fine_tuning.jobs.cancel(job.id)
     assert cancelled.status == "cancelled" and cancelled.finished_at is not None
     events = list(sdk.fine_tuning.jobs.list_events(job.id, limit=1))  # one per page, newest first
-    assert [e.message for e in events][0] == "The job was cancelled"
-    assert events[-1].message.startswith("Created fine-tuning job") and len(events) == 2
+    assert [e.message for e in events][:2] == ["The job was cancelled", "The job was resumed; it is queued and "
+                                                                        "will resume from step 0 (no checkpoint yet)"]
+    assert events[-1].message.startswith("Created fine-tuning job") and len(events) == 4
     assert all(e.object == "fine_tuning.job.event" and e.level == "info" for e in events)
     assert list(sdk.fine_tuning.jobs.checkpoints.list(job.id)) == []
 
     with pytest.raises(openai.ConflictError) as exc:
         sdk.fine_tuning.jobs.cancel(job.id)
     assert exc.value.code == "job_not_cancellable"
+    with pytest.raises(openai.ConflictError) as exc:
+        sdk.fine_tuning.jobs.resume(job.id)
+    assert exc.value.code == "job_not_resumable" and exc.value.param == "fine_tuning_job_id"
     with pytest.raises(openai.UnprocessableEntityError) as exc:
         sdk.fine_tuning.jobs.create(model="gpt-4o-mini", training_file=f.id)
     assert exc.value.param == "model"

@@ -8,10 +8,13 @@ import io
 import json
 import re
 import tarfile
+import time
 from pathlib import Path
 
 import httpx
 import pytest
+
+from qerl.client import Client
 
 from tests._client_server import STEPS, CliJob, Served, cli_job, qerl_server  # noqa: F401 (fixtures)
 
@@ -128,6 +131,40 @@ def test_watch_exits_non_zero_when_the_job_is_cancelled(qerl_server: Served) -> 
     watch = qerl_server.qerl("jobs", "watch", job_id, "--interval", "0.3", timeout=300)
     assert watch.returncode == 2, (watch.stdout, watch.stderr)
     assert f"Job {job_id} cancelled" in watch.stdout
+
+
+def test_pause_watch_and_resume_from_the_terminal(qerl_server: Served) -> None:
+    steps = 300
+    created = qerl_server.qerl("jobs", "create", "--model", "tiny", "--dataset", "products", "--dataset-size", "40",
+                               "--steps", str(steps), "--set", "qerl.data.eval_size=4", "--set", "qerl.device=cpu",
+                               "--set", "qerl.rollout.max_new_tokens=4", "--set", "qerl.prompts_per_step=1",
+                               "--set", "qerl.checkpoint_interval=0", "--json")
+    assert created.returncode == 0, created.stderr
+    job_id = json.loads(created.stdout)["id"]
+    url = f"{qerl_server.url}/v1/fine_tuning/jobs/{job_id}"
+    deadline = time.monotonic() + 120
+    while httpx.get(url, headers=qerl_server.headers).json()["qerl"]["progress"]["step"] < 2:
+        assert time.monotonic() < deadline, qerl_server.log_tail()
+        time.sleep(0.2)
+    pause = qerl_server.qerl("jobs", "pause", job_id)
+    assert pause.returncode == 0 and f"{job_id} pausing" in pause.stdout, (pause.stdout, pause.stderr)
+    watch = qerl_server.qerl("jobs", "watch", job_id, "--interval", "0.3", timeout=120)
+    assert watch.returncode == 3, (watch.stdout, watch.stderr)
+    paused = httpx.get(url, headers=qerl_server.headers).json()
+    at = paused["qerl"]["progress"]["step"]
+    assert paused["status"] == "paused" and 2 <= at < steps
+    assert f"Job {job_id} paused at step {at}/{steps}; resume it with: qerl jobs resume {job_id}" in watch.stdout
+    again = qerl_server.qerl("jobs", "resume", job_id)
+    assert again.returncode == 0 and f"{job_id} queued" in again.stdout, (again.stdout, again.stderr)
+    watch = qerl_server.qerl("jobs", "watch", job_id, "--interval", "0.3", timeout=300)
+    assert watch.returncode == 0 and f"Job {job_id} succeeded" in watch.stdout, (watch.stdout, watch.stderr)
+    with Client(base_url=qerl_server.url, api_key=qerl_server.api_key) as client:
+        metrics = client.metrics(job_id)
+        messages = [e["message"] for e in client.events(job_id, limit=1000)]
+    assert [m["step"] for m in metrics if m["step"] > 0] == list(range(1, steps + 1))
+    assert f"Resuming from checkpoint step {at} (attempt 2)" in messages  # not from step 0
+    finished = qerl_server.qerl("jobs", "resume", job_id)
+    assert finished.returncode == 1 and "(409" in finished.stderr and "only paused jobs" in finished.stderr
 
 
 def test_watch_exits_1_with_the_reason_when_the_job_fails(cli_job: CliJob, qerl_server: Served, tmp_path: Path) -> None:

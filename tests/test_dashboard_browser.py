@@ -185,3 +185,51 @@ def test_job_page_follows_a_running_job_live(browser, cli_job: CliJob, qerl_serv
     assert points["reward"] == 3 + 2 and points["tokens_per_s"] == 3 and points["aqn_sigma"] == 3, points
     events = [e.text for e in driver.find_elements(By.CSS_SELECTOR, "#events li")]
     assert any("Step 3/3" in e for e in events) and "successfully completed" in events[0]
+
+
+@needs_chromium
+def test_pause_resume_and_cancel_buttons_drive_a_running_job(browser, cli_job: CliJob, qerl_server: Served) -> None:
+    """Each button shows only where the API allows it, and its click moves the job: running ->
+    paused (the engine saved a checkpoint) -> queued/running again -> cancelled."""
+    from selenium.webdriver.common.by import By
+
+    driver = browser
+    body = yaml.safe_load(JOB_SPEC_YAML) | {"training_file": cli_job.file_id, "seed": 7}
+    body["qerl"].update(steps=300, checkpoint_interval=0)
+    resp = httpx.post(f"{qerl_server.url}/v1/fine_tuning/jobs", json=body, headers=qerl_server.headers)
+    assert resp.status_code == 200, resp.text
+    job_id = resp.json()["id"]
+    url = f"{qerl_server.url}/v1/fine_tuning/jobs/{job_id}"
+    driver.get(f"{qerl_server.url}/")
+    driver.execute_script("localStorage.setItem('qerl.apiKey', arguments[0])", qerl_server.api_key)
+    driver.get(f"{qerl_server.url}/#/jobs/{job_id}")
+    driver.refresh()
+
+    def shown(d) -> tuple[str, ...]:  # type: ignore[no-untyped-def]
+        return tuple(d.execute_script("return ['pause', 'resume', 'cancel'].filter("
+                                      "a => !document.getElementById(`job-${a}`).hidden)"))
+
+    def status(d) -> str:  # type: ignore[no-untyped-def]  (the badge is replaced on every update)
+        return d.execute_script("return document.getElementById('job-status').textContent")
+
+    _wait(driver, lambda d: status(d) == "running" and httpx.get(url, headers=qerl_server.headers).json()[
+        "qerl"]["progress"]["step"] >= 1, timeout=120, what="the job to run")
+    assert shown(driver) == ("pause", "cancel")
+    driver.find_element(By.ID, "job-pause").click()
+    _wait(driver, lambda d: status(d) == "paused", timeout=60, what="the job to pause")
+    assert shown(driver) == ("resume", "cancel")
+    paused = httpx.get(url, headers=qerl_server.headers).json()
+    assert paused["status"] == "paused" and 1 <= paused["qerl"]["progress"]["step"] < 300
+    ARTIFACTS.mkdir(exist_ok=True)
+    driver.save_screenshot(str(ARTIFACTS / "dashboard-paused-job.png"))
+    driver.find_element(By.ID, "job-resume").click()
+    _wait(driver, lambda d: status(d) in ("queued", "running"), timeout=30, what="the job to resume")
+    _wait(driver, lambda d: httpx.get(url, headers=qerl_server.headers).json()["qerl"]["attempt"] == 2,
+          timeout=120, what="a worker to take the resumed job")
+    driver.find_element(By.ID, "job-cancel").click()
+    _wait(driver, lambda d: status(d) == "cancelled", timeout=60, what="the job to be cancelled")
+    assert shown(driver) == ()
+    messages = [e["message"] for e in httpx.get(f"{url}/events", params={"limit": 1000},
+                                                headers=qerl_server.headers).json()["data"]]
+    step = paused["qerl"]["progress"]["step"]
+    assert f"Resuming from checkpoint step {step} (attempt 2)" in messages

@@ -323,6 +323,8 @@
       err.textContent = j.error ? `${j.error.code}: ${j.error.message}` : '';
       const cancel = document.getElementById('job-cancel');
       cancel.hidden = TERMINAL.includes(j.status) || j.status === 'cancelling';
+      document.getElementById('job-pause').hidden = !['validating_files', 'queued', 'running'].includes(j.status);
+      document.getElementById('job-resume').hidden = j.status !== 'paused';
       main.dataset.status = j.status;
       if (p.step !== lastStep) { lastStep = p.step; loadCheckpoints(); }
       if (j.qerl.adapter_id) showAdapter(j.qerl.adapter_id);
@@ -441,9 +443,11 @@
       timer = setTimeout(poll, 3000);
     }
 
-    document.getElementById('job-cancel').addEventListener('click', async () => {
-      try { showJob(await getJSON(`/v1/fine_tuning/jobs/${jobId}/cancel`, { method: 'POST' })); } catch (e) { alert(e.message); }
-    });
+    for (const action of ['cancel', 'pause', 'resume']) {
+      document.getElementById(`job-${action}`).addEventListener('click', async () => {
+        try { showJob(await getJSON(`/v1/fine_tuning/jobs/${jobId}/${action}`, { method: 'POST' })); } catch (e) { alert(e.message); }
+      });
+    }
 
     (async () => {
       try {
