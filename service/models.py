@@ -4,9 +4,10 @@ Ids are OpenAI-style strings (``ftjob-...``, ``file-...``). Every user-visible r
 ``project`` (the owning API key's project); queries always filter by it.
 
 Job lifecycle: validating_files -> queued -> running -> succeeded | failed | cancelled,
-with ``cancelling`` while a running job winds down. ``attempt`` is the fencing token: a
-worker writes (events, metrics, checkpoints, status) only with
-``WHERE id = :id AND attempt = :its_attempt AND status IN ('running','cancelling')``.
+with ``cancelling`` while a running job winds down, and ``pausing`` -> ``paused`` -> ``queued``
+for a pause and a resume. ``attempt`` is the fencing token: a worker writes (events, metrics,
+checkpoints, status) only with
+``WHERE id = :id AND attempt = :its_attempt AND status IN ('running','cancelling','pausing')``.
 """
 from __future__ import annotations
 
