@@ -128,7 +128,8 @@ def test_path_traversal_in_every_id_and_filename(client, key_a, api_settings, tm
             resp = client.get(template.format(evil), headers=key_a.headers)
             assert resp.status_code in (400, 404, 422), (template, evil, resp.status_code, resp.text)
             assert "root:" not in resp.text and "[fonts]" not in resp.text
-        for method, template in [("DELETE", "/v1/files/{}"), ("POST", "/v1/fine_tuning/jobs/{}/cancel")]:
+        for method, template in [("DELETE", "/v1/files/{}"), ("POST", "/v1/fine_tuning/jobs/{}/cancel"),
+                                 ("POST", "/v1/fine_tuning/jobs/{}/pause"), ("POST", "/v1/fine_tuning/jobs/{}/resume")]:
             assert client.request(method, template.format(evil), headers=key_a.headers).status_code in (400, 404, 405)
         for path in ["/v1/files", "/v1/fine_tuning/jobs", "/v1/adapters", f"/v1/fine_tuning/jobs/x/checkpoints",
                      "/v1/fine_tuning/jobs/x/events"]:
@@ -175,7 +176,8 @@ def test_sql_ish_strings_in_every_field(client, key_a, key_b, db_sessions):
                          "/v1/adapters/{}", "/v1/models/{}", "/v1/files/{}/content"]:
             assert client.get(template.format(evil), headers=key_a.headers).status_code in (400, 404), evil
         assert client.delete(f"/v1/files/{evil}", headers=key_a.headers).status_code in (400, 404)
-        assert client.post(f"/v1/fine_tuning/jobs/{evil}/cancel", headers=key_a.headers).status_code in (400, 404)
+        for verb in ("cancel", "pause", "resume"):
+            assert client.post(f"/v1/fine_tuning/jobs/{evil}/{verb}", headers=key_a.headers).status_code in (400, 404)
         for path, params in [("/v1/files", {"after": evil, "purpose": evil}), ("/v1/fine_tuning/jobs", {"after": evil}),
                              ("/v1/fine_tuning/jobs", {"status": evil}), ("/v1/adapters", {"after": evil}),
                              ("/v1/files", {"limit": evil}), ("/v1/files", {"order": evil})]:
@@ -305,6 +307,8 @@ def test_another_project_cannot_read_cancel_delete_or_download(client, key_a, ke
     adapter = finish_job_with_adapter(db_sessions, api_settings, done_id, tmp_path)
     for method, path in [("GET", f"/v1/adapters/{adapter.id}"), ("GET", f"/v1/adapters/{adapter.id}/content"),
                          ("GET", f"/v1/models/{adapter.name}"), ("POST", f"/v1/fine_tuning/jobs/{queued_id}/cancel"),
+                         ("POST", f"/v1/fine_tuning/jobs/{queued_id}/pause"),
+                         ("POST", f"/v1/fine_tuning/jobs/{queued_id}/resume"),
                          ("DELETE", f"/v1/files/{fid}"), ("GET", f"/v1/files/{fid}/content"),
                          ("GET", f"/v1/fine_tuning/jobs/{done_id}")]:
         resp = client.request(method, path, headers=key_b.headers)
