@@ -37,6 +37,10 @@ class Settings(BaseSettings):
     max_attempts: int = Field(default=3, ge=1)
     reap_interval_seconds: float = Field(default=5.0, gt=0)
     sweep_after_seconds: float = Field(default=60.0, gt=0)  # re-send a wake-up for a job queued this long
+    # a finished job's workdir (checkpoints with optimizer state, the unpacked adapter) is deleted
+    # this long after the job ended; the adapter tarball it produced stays
+    job_files_retention_seconds: float = Field(default=3600.0, ge=0)
+    cleanup_interval_seconds: float = Field(default=60.0, gt=0)  # how often workers look for such workdirs
     celery_queue: str = "qerl"
     embedded_worker: bool = True  # start the in-process worker thread in embedded mode
 

@@ -216,3 +216,39 @@ def test_sweep_waits_while_messages_are_still_queued_in_the_broker(sessions):
             assert queue.sweep(s, older_than_s=60) == [job.id] and broker.sent == [job.id]
     finally:
         queue.set_dispatcher(None)
+
+
+def test_workdirs_of_finished_jobs_are_removed_after_the_retention(sessions, tmp_path):
+    from worker.artifacts import job_workdir, remove_finished_workdirs
+
+    now = utcnow()
+    with sessions() as s:
+        jobs = {name: make_job(s, SPEC, status=status, finished_at=now - timedelta(seconds=ago) if ago else None).id
+                for name, status, ago in [
+                    ("succeeded_old", "succeeded", 7200), ("failed_old", "failed", 7200),
+                    ("cancelled_old", "cancelled", 7200), ("succeeded_new", "succeeded", 60),
+                    ("queued", "queued", None), ("running", "running", None), ("paused", "paused", None),
+                    ("pausing", "pausing", None)]}
+    for jid in jobs.values():
+        ckpt = job_workdir(tmp_path, jid) / "checkpoints" / "step-000002"
+        ckpt.mkdir(parents=True)
+        (ckpt / "optimizer.pt").write_bytes(b"x" * 1000)
+    unknown = job_workdir(tmp_path, "ftjob-not-in-the-database")
+    unknown.mkdir()
+    cut_short = tmp_path / "jobs" / f".ftjob-gone.removing" / "checkpoints"
+    cut_short.mkdir(parents=True)
+    (tmp_path / "adapters").mkdir()
+    (tmp_path / "adapters" / "adapter-x.tar.gz").write_bytes(b"tarball")
+
+    with sessions() as s:
+        removed = remove_finished_workdirs(s, tmp_path, retention_s=3600)
+    assert sorted(removed) == sorted([jobs["succeeded_old"], jobs["failed_old"], jobs["cancelled_old"]])
+    left = sorted(p.name for p in (tmp_path / "jobs").iterdir())
+    assert left == sorted([jobs[n] for n in ("succeeded_new", "queued", "running", "paused", "pausing")]
+                          + [unknown.name])  # the cut-short removal finished too
+    assert (tmp_path / "adapters" / "adapter-x.tar.gz").read_bytes() == b"tarball"
+    with sessions() as s:
+        assert remove_finished_workdirs(s, tmp_path, retention_s=3600) == []  # idempotent
+        assert remove_finished_workdirs(s, tmp_path, retention_s=0) == [jobs["succeeded_new"]]
+        assert (job_workdir(tmp_path, jobs["paused"]) / "checkpoints" / "step-000002").is_dir()
+    assert remove_finished_workdirs(None, tmp_path / "elsewhere", retention_s=0) == []  # no jobs/ yet

@@ -73,6 +73,26 @@ def test_a_woken_job_runs_to_an_adapter(lite, embedded, settings):
     assert time.monotonic() - t0 < 60  # the wake-up, not the 30 s poll, started it
 
 
+def test_a_finished_jobs_workdir_is_removed_and_its_adapter_stays(lite, settings):
+    settings = settings.model_copy(update={"job_files_retention_seconds": 0.0, "cleanup_interval_seconds": 0.2})
+    worker = start_embedded_worker(settings, poll_seconds=0.2)
+    try:
+        with lite() as s:
+            jid = make_job(s, tiny_spec("tiny", steps=2, checkpoint_interval=1)).id
+            queue.wake(jid, s)
+        done = wait_for_status(lite, jid, ("succeeded", "failed"), timeout=120)
+        assert done.status == "succeeded"
+        workdir = settings.artifact_dir / "jobs" / jid
+        deadline = time.monotonic() + 30
+        while workdir.exists():
+            assert time.monotonic() < deadline, f"{workdir} still there: {list(workdir.rglob('*'))[:10]}"
+            time.sleep(0.1)
+        assert (settings.artifact_dir / "adapters" / f"{done.adapter_id}.tar.gz").is_file()
+        assert not [p for p in (settings.artifact_dir / "jobs").iterdir()]
+    finally:
+        worker.stop(timeout=60)
+
+
 def test_cancel_queued_and_running(lite, embedded):
     embedded()
     with lite() as s:

@@ -1,23 +1,72 @@
 """Where a job's files live in the artifact store, and the adapter tarball.
 
 Layout under ARTIFACT_DIR: ``jobs/<job_id>/`` (the engine's workdir: checkpoints/, adapter/)
-and ``adapters/<adapter_id>.tar.gz`` (what ``GET /v1/adapters/{id}/content`` serves).
+and ``adapters/<adapter_id>.tar.gz`` (what ``GET /v1/adapters/{id}/content`` serves). A workdir
+outlives its job by ``QERL_JOB_FILES_RETENTION_SECONDS`` (``remove_finished_workdirs``, run by
+every worker's maintenance pass); the tarball stays.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import shutil
 import tarfile
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from service.models import Job, utcnow
+from service.queue import TERMINAL
+
+log = logging.getLogger(__name__)
+REMOVING = ".removing"  # suffix of a workdir being deleted (a dot name: never a job id)
 
 REQUIRED_ADAPTER_FILES = ("adapter_config.json", "qerl_manifest.json")
 
 
 def job_workdir(artifact_dir: Path, job_id: str) -> Path:
     return Path(artifact_dir) / "jobs" / job_id
+
+
+def remove_finished_workdirs(session: Session, artifact_dir: Path, *, retention_s: float) -> list[str]:
+    """Delete the workdirs of jobs that ended (succeeded, failed, cancelled) more than
+    ``retention_s`` ago: their checkpoints can no longer be resumed and their adapter is packed.
+    Workdirs of unfinished jobs (paused ones included) and of ids the database does not know
+    are left alone. Each is renamed to a dot name first, so a removal cut short is finished by
+    the next pass and several workers at once remove each directory once. Returns the job ids."""
+    root = Path(artifact_dir) / "jobs"
+    try:
+        entries = list(os.scandir(root))
+    except FileNotFoundError:
+        return []
+    for e in entries:  # leftovers of a removal cut short
+        if e.name.startswith(".") and e.name.endswith(REMOVING):
+            shutil.rmtree(e.path, ignore_errors=True)
+    names = [e.name for e in entries if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)]
+    cutoff = utcnow() - timedelta(seconds=retention_s)
+    removed: list[str] = []
+    for i in range(0, len(names), 500):
+        ended = session.execute(select(Job.id).where(
+            Job.id.in_(names[i:i + 500]), Job.status.in_(TERMINAL),
+            func.coalesce(Job.finished_at, Job.created_at) <= cutoff)).scalars().all()
+        session.rollback()
+        for job_id in ended:
+            doomed = root / f".{job_id}{REMOVING}"
+            try:
+                os.rename(root / job_id, doomed)
+            except FileNotFoundError:  # another worker took it
+                continue
+            shutil.rmtree(doomed, ignore_errors=True)
+            removed.append(job_id)
+    if removed:
+        log.info("removed the workdirs of %d finished jobs: %s", len(removed), ", ".join(removed[:20]))
+    return removed
 
 
 @dataclass

@@ -21,6 +21,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from typing import Any
 
 from celery import Celery, bootsteps, signals
@@ -144,7 +145,8 @@ def _on_worker_lost(sender: Any = None, exception: BaseException | None = None, 
 
 
 class Maintenance(bootsteps.StartStopStep):
-    """Reaper and sweeper on the worker's timer (the main thread's event loop with prefork)."""
+    """Reaper, sweeper and workdir cleanup on the worker's timer (the main thread's event loop with
+    prefork)."""
 
     requires = {"celery.worker.components:Timer"}
 
@@ -159,16 +161,26 @@ class Maintenance(bootsteps.StartStopStep):
             self.tref.cancel()
 
 
+_next_cleanup = 0.0  # monotonic time of the next look for finished jobs' workdirs
+
+
 def maintain() -> None:
-    """One reaper + sweeper pass; errors are logged and the next pass tries again."""
+    """One reaper + sweeper pass, and every ``cleanup_interval_seconds`` the removal of finished
+    jobs' workdirs; errors are logged and the next pass tries again."""
+    global _next_cleanup
     from service import queue
 
     try:
         with _session_factory()() as s:
             queue.reap(s)
             queue.sweep(s, older_than_s=settings.sweep_after_seconds)
+            if time.monotonic() >= _next_cleanup:
+                _next_cleanup = time.monotonic() + settings.cleanup_interval_seconds
+                from worker.artifacts import remove_finished_workdirs
+
+                remove_finished_workdirs(s, settings.artifact_dir, retention_s=settings.job_files_retention_seconds)
     except Exception as exc:  # e.g. the database is restarting: say so once per pass, briefly
-        log.warning("reaper/sweeper pass failed: %s: %s", type(exc).__name__, str(exc).splitlines()[0][:300])
+        log.warning("maintenance pass failed: %s: %s", type(exc).__name__, str(exc).splitlines()[0][:300])
 
 
 app.steps["worker"].add(Maintenance)
