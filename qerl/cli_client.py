@@ -118,7 +118,7 @@ def _event_line(ev: dict[str, Any]) -> str:
 # -- commands ----------------------------------------------------------------------------------
 files_app = typer.Typer(no_args_is_help=True, help="Upload and list training files.")
 jobs_app = typer.Typer(no_args_is_help=True, help="Create, follow, pause, resume and cancel fine-tuning jobs.")
-adapters_app = typer.Typer(no_args_is_help=True, help="List and download trained LoRA adapters.")
+adapters_app = typer.Typer(no_args_is_help=True, help="List, download and delete trained LoRA adapters.")
 
 
 @files_app.command("upload")
@@ -351,6 +351,18 @@ def adapters_download(adapter_id: Annotated[str, typer.Argument(help="adapter id
     out.print(f"adapter {adapter_id} ({escape(meta['name'])}, base {escape(meta['base_model'])}) extracted to {target}")
     out.print(f"load it: peft.PeftModel.from_pretrained(base_model, {str(target)!r})  |  "
               f"vLLM: LoRARequest({meta['name']!r}, 1, {str(target)!r})", highlight=False)
+
+
+@adapters_app.command("delete")
+@_errors_as_messages
+def adapters_delete(adapter: Annotated[str, typer.Argument(help="adapter id, or the fine-tuned model name (ft:...)")],
+                    base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJson = False) -> None:
+    """Delete a trained adapter (its archive on the server goes; the job that made it stays)."""
+    with _client(base_url, api_key) as client:
+        gone = client.delete_adapter(adapter)
+    if as_json:
+        return _print_json(gone)
+    out.print(f"deleted {escape(gone['id'])}")
 
 
 def register(app: typer.Typer) -> None:

@@ -91,6 +91,9 @@ class Client:
     def post(self, path: str, body: dict[str, Any] | None = None, headers: dict[str, str] | None = None) -> Any:
         return self._check(self.http.post(path, json=body or {}, headers=headers)).json()
 
+    def delete(self, path: str) -> Any:
+        return self._check(self.http.delete(path)).json()
+
     # -- resources -------------------------------------------------------------------------
     def create_job(self, body: dict[str, Any], idempotency_key: str | None = None) -> dict[str, Any]:
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
@@ -101,6 +104,12 @@ class Client:
 
     def cancel(self, job_id: str) -> dict[str, Any]:
         return self.post(f"/v1/fine_tuning/jobs/{job_id}/cancel")
+
+    def delete_adapter(self, adapter_id_or_model: str) -> dict[str, Any]:
+        """By adapter id (``adapter-...``) or fine-tuned model name (``ft:...``): row and archive go."""
+        if adapter_id_or_model.startswith("adapter-"):
+            return self.delete(f"/v1/adapters/{adapter_id_or_model}")
+        return self.delete(f"/v1/models/{adapter_id_or_model}")
 
     def pause(self, job_id: str) -> dict[str, Any]:
         return self.post(f"/v1/fine_tuning/jobs/{job_id}/pause")

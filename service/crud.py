@@ -148,8 +148,28 @@ def list_checkpoints(session: Session, job_id: str, *, after: str | None, limit:
 
 
 # ---- adapters -------------------------------------------------------------------------------
-def get_adapter(session: Session, project: str, adapter_id: str) -> Adapter | None:
-    return session.scalar(select(Adapter).where(Adapter.id == adapter_id, Adapter.project == project))
+def get_adapter(session: Session, project: str, adapter_id: str, *, for_update: bool = False) -> Adapter | None:
+    stmt = select(Adapter).where(Adapter.id == adapter_id, Adapter.project == project)
+    return session.scalar(stmt.with_for_update() if for_update else stmt)
+
+
+def get_adapter_by_name(session: Session, project: str, name: str, *, for_update: bool = False) -> Adapter | None:
+    stmt = select(Adapter).where(Adapter.name == name, Adapter.project == project)
+    return session.scalar(stmt.with_for_update() if for_update else stmt)
+
+
+def delete_adapter(session: Session, adapter: Adapter) -> None:
+    """Drop the adapter's row and say so on its job (whose ``adapter_id`` is cleared; the job keeps
+    its ``fine_tuned_model`` name, as OpenAI's jobs do). The caller commits, then deletes the
+    tarball: a crash in between leaves an orphan file, never a row without its file."""
+    from service.queue import add_event
+
+    job = session.get(Job, adapter.job_id)
+    if job is not None:
+        if job.adapter_id == adapter.id:
+            job.adapter_id = None
+        add_event(session, job.id, job.attempt, f"The fine-tuned model {adapter.name} ({adapter.id}) was deleted")
+    session.delete(adapter)
 
 
 def list_adapters(session: Session, project: str, *, after: str | None, limit: int) -> tuple[list[Adapter], bool]:

@@ -117,6 +117,18 @@ class FileDeleted(BaseModel):
     deleted: bool = True
 
 
+class ModelDeleted(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    deleted: bool = True
+
+
+class AdapterDeleted(BaseModel):
+    id: str
+    object: Literal["adapter"] = "adapter"
+    deleted: bool = True
+
+
 class JobError(BaseModel):
     code: str
     message: str

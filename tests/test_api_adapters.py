@@ -20,7 +20,7 @@ from worker.artifacts import pack_adapter
 
 def finish_job_with_adapter(db_sessions, settings, job_id: str, tmp_path: Path) -> Adapter:
     src = tmp_path / "adapter"
-    src.mkdir()
+    src.mkdir(parents=True)
     (src / "adapter_config.json").write_text(json.dumps({"r": 8, "base_model_name_or_path": MODEL}))
     (src / "adapter_model.safetensors").write_bytes(bytes(range(256)) * 4)
     (src / "qerl_manifest.json").write_text(json.dumps({"steps": 2}))
@@ -69,3 +69,41 @@ def test_adapter_listing_download_etag_and_models(client, key_a, key_b, db_sessi
     assert adapter.name not in {m["id"] for m in client.get("/v1/models", headers=key_b.headers).json()["data"]}
     for path in (f"/v1/adapters/{adapter.id}", f"/v1/adapters/{adapter.id}/content", f"/v1/models/{adapter.name}"):
         assert_error(client.get(path, headers=key_b.headers), 404)
+
+
+def test_deleting_a_fine_tuned_model_or_an_adapter_removes_row_and_archive(client, key_a, key_b, db_sessions,
+                                                                           api_settings, tmp_path):
+    fid = upload(client, key_a, jsonl(training_rows(40))).json()["id"]
+    ids = [client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=body(fid, suffix=f"d{i}")).json()["id"]
+           for i in range(2)]
+    first, second = (finish_job_with_adapter(db_sessions, api_settings, jid, tmp_path / jid) for jid in ids)
+    archive = api_settings.artifact_dir / first.path
+    assert archive.is_file()
+
+    # another project cannot delete it, and a base model is not deletable
+    assert_error(client.delete(f"/v1/models/{first.name}", headers=key_b.headers), 404, code="not_found")
+    assert_error(client.delete(f"/v1/adapters/{first.id}", headers=key_b.headers), 404, code="not_found")
+    err = assert_error(client.delete(f"/v1/models/{MODEL}", headers=key_a.headers), 422, code="model_not_deletable",
+                       param="model")
+    assert "base model" in err["message"] and "ft:" in err["message"]
+    assert archive.is_file() and client.get(f"/v1/models/{MODEL}", headers=key_a.headers).status_code == 200
+
+    gone = client.delete(f"/v1/models/{first.name}", headers=key_a.headers)
+    assert gone.status_code == 200 and gone.json() == {"id": first.name, "object": "model", "deleted": True}
+    assert not archive.exists()
+    for path in (f"/v1/adapters/{first.id}", f"/v1/adapters/{first.id}/content", f"/v1/models/{first.name}"):
+        assert_error(client.get(path, headers=key_a.headers), 404)
+    assert_error(client.delete(f"/v1/models/{first.name}", headers=key_a.headers), 404)  # once only
+    job = client.get(f"/v1/fine_tuning/jobs/{ids[0]}", headers=key_a.headers).json()
+    assert job["status"] == "succeeded" and job["qerl"]["adapter_id"] is None and job["fine_tuned_model"] == first.name
+    events = client.get(f"/v1/fine_tuning/jobs/{ids[0]}/events", headers=key_a.headers).json()["data"]
+    assert events[0]["message"] == f"The fine-tuned model {first.name} ({first.id}) was deleted"
+
+    # by adapter id; the other adapter is untouched until then
+    assert [a["id"] for a in client.get("/v1/adapters", headers=key_a.headers).json()["data"]] == [second.id]
+    assert client.get(f"/v1/adapters/{second.id}/content", headers=key_a.headers).status_code == 200
+    gone = client.delete(f"/v1/adapters/{second.id}", headers=key_a.headers)
+    assert gone.json() == {"id": second.id, "object": "adapter", "deleted": True}
+    assert not (api_settings.artifact_dir / second.path).exists()
+    assert client.get("/v1/adapters", headers=key_a.headers).json()["data"] == []
+    assert {m["qerl"]["kind"] for m in client.get("/v1/models", headers=key_a.headers).json()["data"]} == {"base"}

@@ -68,3 +68,22 @@ def test_openai_sdk_round_trip(sdk: OpenAI, key_b, live_server):
     for j in others:
         sdk.fine_tuning.jobs.cancel(j)
     assert sdk.files.delete(f.id).deleted is True
+
+
+def test_openai_sdk_deletes_a_fine_tuned_model(sdk: OpenAI, db_sessions, api_settings, tmp_path):
+    from tests.test_api_adapters import finish_job_with_adapter
+
+    f = sdk.files.create(file=("train.jsonl", jsonl(training_rows(40))), purpose="fine-tune")
+    job = sdk.fine_tuning.jobs.create(model=MODEL, training_file=f.id, method={
+        "type": "reinforcement", "reinforcement": {"grader": STRING_CHECK}})
+    adapter = finish_job_with_adapter(db_sessions, api_settings, job.id, tmp_path)
+    assert sdk.fine_tuning.jobs.retrieve(job.id).fine_tuned_model == adapter.name
+    assert adapter.name in [m.id for m in sdk.models.list()]
+    deleted = sdk.models.delete(adapter.name)
+    assert deleted.id == adapter.name and deleted.deleted is True and deleted.object == "model"
+    assert adapter.name not in [m.id for m in sdk.models.list()]
+    with pytest.raises(openai.NotFoundError):
+        sdk.models.delete(adapter.name)
+    with pytest.raises(openai.UnprocessableEntityError) as exc:
+        sdk.models.delete(MODEL)
+    assert exc.value.code == "model_not_deletable"

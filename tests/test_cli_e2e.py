@@ -184,3 +184,24 @@ def test_watch_exits_1_with_the_reason_when_the_job_fails(cli_job: CliJob, qerl_
     watch = qerl_server.qerl("jobs", "watch", job_id, "--interval", "0.3", timeout=300)
     assert watch.returncode == 1, (watch.stdout, watch.stderr)
     assert f"Job {job_id} failed: invalid_dataset: data.eval_size=4 holds out all 2 distinct prompts" in watch.stdout
+
+
+def test_adapters_delete_by_model_name_and_by_id(qerl_server: Served) -> None:
+    made = []
+    for _ in range(2):
+        created = qerl_server.qerl("jobs", "create", "--model", "tiny", "--dataset", "products", "--dataset-size", "40",
+                                   "--steps", "1", "--set", "qerl.data.eval_size=4", "--set", "qerl.device=cpu",
+                                   "--set", "qerl.rollout.max_new_tokens=4", "--set", "qerl.prompts_per_step=1",
+                                   "--json", "--watch")
+        assert created.returncode == 0, (created.stdout, created.stderr)
+        job_id = re.search(r"Job (ftjob-\w+) succeeded", created.stdout).group(1)
+        made.append(httpx.get(f"{qerl_server.url}/v1/fine_tuning/jobs/{job_id}", headers=qerl_server.headers).json())
+    by_name, by_id = made[0]["fine_tuned_model"], made[1]["qerl"]["adapter_id"]
+    for target in (by_name, by_id):
+        gone = qerl_server.qerl("adapters", "delete", target)
+        assert gone.returncode == 0 and f"deleted {target}" in gone.stdout, (gone.stdout, gone.stderr)
+    left = {a["id"] for a in httpx.get(f"{qerl_server.url}/v1/adapters", params={"limit": 100},
+                                       headers=qerl_server.headers).json()["data"]}
+    assert made[0]["qerl"]["adapter_id"] not in left and by_id not in left
+    again = qerl_server.qerl("adapters", "delete", by_name)
+    assert again.returncode == 1 and "(404" in again.stderr and "Traceback" not in again.stderr

@@ -129,7 +129,8 @@ def test_path_traversal_in_every_id_and_filename(client, key_a, api_settings, tm
             assert resp.status_code in (400, 404, 422), (template, evil, resp.status_code, resp.text)
             assert "root:" not in resp.text and "[fonts]" not in resp.text
         for method, template in [("DELETE", "/v1/files/{}"), ("POST", "/v1/fine_tuning/jobs/{}/cancel"),
-                                 ("POST", "/v1/fine_tuning/jobs/{}/pause"), ("POST", "/v1/fine_tuning/jobs/{}/resume")]:
+                                 ("POST", "/v1/fine_tuning/jobs/{}/pause"), ("POST", "/v1/fine_tuning/jobs/{}/resume"),
+                                 ("DELETE", "/v1/adapters/{}"), ("DELETE", "/v1/models/{}")]:
             assert client.request(method, template.format(evil), headers=key_a.headers).status_code in (400, 404, 405)
         for path in ["/v1/files", "/v1/fine_tuning/jobs", "/v1/adapters", f"/v1/fine_tuning/jobs/x/checkpoints",
                      "/v1/fine_tuning/jobs/x/events"]:
@@ -309,6 +310,7 @@ def test_another_project_cannot_read_cancel_delete_or_download(client, key_a, ke
                          ("GET", f"/v1/models/{adapter.name}"), ("POST", f"/v1/fine_tuning/jobs/{queued_id}/cancel"),
                          ("POST", f"/v1/fine_tuning/jobs/{queued_id}/pause"),
                          ("POST", f"/v1/fine_tuning/jobs/{queued_id}/resume"),
+                         ("DELETE", f"/v1/adapters/{adapter.id}"), ("DELETE", f"/v1/models/{adapter.name}"),
                          ("DELETE", f"/v1/files/{fid}"), ("GET", f"/v1/files/{fid}/content"),
                          ("GET", f"/v1/fine_tuning/jobs/{done_id}")]:
         resp = client.request(method, path, headers=key_b.headers)

@@ -140,8 +140,10 @@ def _classify(exc: BaseException, job_id: str, artifact_dir: Path) -> tuple[str,
     if is_disk_full(exc):
         where = getattr(exc, "filename", None) or artifact_dir
         return "disk_full", (f"No space left on device while writing {where}. Free space on the filesystem that "
-                             f"holds ARTIFACT_DIR ({artifact_dir}): checkpoints and adapters of old jobs are the "
-                             "usual bulk. Then create the job again.")
+                             f"holds ARTIFACT_DIR ({artifact_dir}): delete adapters no longer needed (DELETE "
+                             "/v1/models/ft:..., or `qerl adapters delete`), and a lower "
+                             "QERL_JOB_FILES_RETENTION_SECONDS removes finished jobs' checkpoints sooner. Then create "
+                             "the job again.")
     log.exception("job %s: internal error", job_id)
     return "internal_error", (f"Internal error ({type(exc).__name__}: {str(exc)[:300]}). "
                               "Retry the job; if it fails again, report it with the job id.")

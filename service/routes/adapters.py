@@ -1,15 +1,17 @@
-"""/v1/adapters: trained LoRA adapters; content is the PEFT directory as tar.gz."""
+"""/v1/adapters: trained LoRA adapters; content is the PEFT directory as tar.gz; delete."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import FileResponse
+from sqlalchemy.orm import Session
 
 from service import crud
 from service.auth import CurrentKey
 from service.deps import ReleasingRoute, SessionDep, StoreDep
 from service.errors import not_found
-from service.schemas import Adapter, ListPage
-from service.storage import verified_artifact
+from service.models import Adapter as AdapterRow
+from service.schemas import Adapter, AdapterDeleted, ListPage
+from service.storage import ArtifactStore, verified_artifact
 from service.views import adapter_view
 
 router = APIRouter(prefix="/adapters", tags=["adapters"], route_class=ReleasingRoute)
@@ -52,3 +54,21 @@ def adapter_content(adapter_id: str, request: Request, key: CurrentKey, session:
     path = verified_artifact(store, a.path, a.sha256, f"the archive of adapter {adapter_id}")
     safe = a.name.replace(":", "_").replace("/", "_") or a.id
     return FileResponse(path, media_type="application/gzip", filename=f"{safe}.tar.gz", headers=headers)
+
+
+@router.delete("/{adapter_id}", response_model=AdapterDeleted)
+def delete_adapter(adapter_id: str, key: CurrentKey, session: SessionDep, store: StoreDep) -> AdapterDeleted:
+    """The adapter's row and archive go; its job stays (succeeded, without an adapter)."""
+    a = crud.get_adapter(session, key.project, adapter_id, for_update=True)
+    if a is None:
+        raise not_found("adapter", adapter_id, "adapter_id")
+    remove_adapter(session, store, a)
+    return AdapterDeleted(id=adapter_id)
+
+
+def remove_adapter(session: Session, store: ArtifactStore, adapter: AdapterRow) -> None:
+    """Row first (committed), then the archive: a crash in between leaves an orphan file only."""
+    path = adapter.path
+    crud.delete_adapter(session, adapter)
+    session.commit()
+    store.delete(path)
