@@ -1,6 +1,7 @@
 """The grader interface and config checks shared by every grader type."""
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 
@@ -56,7 +57,22 @@ def get_number(cfg: dict, key: str, path: str, default: float | None = None) -> 
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
         raise ValueError(f"{path}.{key} must be a number; got {value!r}")
+    if not finite(value):
+        raise ValueError(f"{path}.{key} must be a finite number below 1e308; got {shown(value)}")
     return float(value)
+
+
+def finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an integer beyond float's range
+        return False
+
+
+def shown(value: int | float) -> str:
+    """A number for a message; an integer of hundreds of digits cut short, with its length."""
+    text = repr(value)
+    return text if len(text) <= 30 else f"{text[:8]}... ({len(text.lstrip('-'))} digits)"
 
 
 def grader_name(cfg: dict, path: str) -> str:

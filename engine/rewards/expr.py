@@ -10,6 +10,8 @@ import ast
 import operator
 from typing import Callable, Mapping
 
+from engine.rewards.base import finite, shown
+
 MAX_LENGTH = 1000
 _BINOPS: dict[type, Callable[[float, float], float]] = {
     ast.Add: operator.add,
@@ -41,6 +43,9 @@ class Expression:
         if isinstance(node, ast.Constant):
             if isinstance(node.value, bool) or not isinstance(node.value, (int, float)):
                 raise ValueError(f"{self.where}: constant {node.value!r} is not a number; allowed: {ALLOWED}")
+            if not finite(node.value):
+                raise ValueError(f"{self.where}: constant {shown(node.value)} is out of range; use a finite number "
+                                 "below 1e308")
         elif isinstance(node, ast.Name):
             if node.id not in self.names:
                 raise ValueError(f"{self.where}: unknown name {node.id!r}; the graders are "
