@@ -13,6 +13,7 @@ _COMMANDS = (
     ("worker.cli", "worker"),
     ("qerl.cli_engine", "train, quantize"),
     ("qerl.cli_client", "files, jobs, adapters"),
+    ("qerl.cli_graders", "graders"),
     ("qerl.demo", "demo"),
 )
 

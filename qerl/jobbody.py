@@ -11,8 +11,11 @@ from pathlib import Path
 from typing import Any
 
 
-def load_spec(path: str) -> dict[str, Any]:
-    """A job body from a JSON or YAML file (``-``: stdin). YAML needs PyYAML."""
+JOB_BODY = 'a job body such as {"model": ..., "training_file": ..., "qerl": {...}}'
+
+
+def load_spec(path: str, what: str = JOB_BODY) -> dict[str, Any]:
+    """A job body (or ``what`` else) from a JSON or YAML file (``-``: stdin). YAML needs PyYAML."""
     text = sys.stdin.read() if path == "-" else Path(path).read_text()
     is_yaml = path.endswith((".yaml", ".yml"))
     if not is_yaml:
@@ -32,8 +35,7 @@ def load_spec(path: str) -> dict[str, Any]:
         except yaml.YAMLError as exc:
             raise ValueError(f"{path}: invalid YAML ({exc})") from None
     if not isinstance(body, dict):
-        raise ValueError(f"{path}: the spec must be an object (a job body such as "
-                         '{"model": ..., "training_file": ..., "qerl": {...}})')
+        raise ValueError(f"{path}: the spec must be an object ({what})")
     return body
 
 

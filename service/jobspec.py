@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from engine import registry
 from engine.data.builtin import check_dataset
-from engine.rewards import build_grader
+from engine.rewards import Grader, build_grader
 from engine.spec import TrainSpec
 from engine.types import TrainError
 from service.errors import APIError
@@ -34,6 +34,16 @@ _FIELD = re.compile(r"^(?:unknown field )?([A-Za-z_][\w.\[\]]*)")
 
 def _invalid(param: str, message: str, code: str = "invalid_value") -> APIError:
     return APIError(422, message, code=code, param=param)
+
+
+def check_grader(grader: dict[str, Any], prefix: str = "") -> Grader:
+    """The grader the worker will build (torch-free: the same checks), or 422 naming the field as
+    ``prefix`` + its path (``grader.graders.answer.operation``)."""
+    try:
+        return build_grader(grader)
+    except ValueError as exc:
+        match = _FIELD.match(str(exc))
+        raise _invalid(prefix + (match.group(1) if match else "grader"), str(exc)) from None
 
 
 def _param_of(message: str) -> str:
@@ -155,11 +165,7 @@ def build_spec(body: JobCreate, lookup_file: Callable[[str], File | None]) -> tu
                        "\"reinforcement\", \"reinforcement\": {\"grader\": {...}}} (e.g. a string_check grader)",
                        code="missing_required")
     if grader is not None:
-        try:
-            build_grader(grader)  # torch-free: the same checks the worker's grader makes
-        except ValueError as exc:
-            param = _FIELD.match(str(exc))
-            raise _invalid("method.reinforcement." + (param.group(1) if param else "grader"), str(exc)) from None
+        check_grader(grader, "method.reinforcement.")
         d["grader"] = grader
     came_from = _hyper(body, d, qerl, rows)
     d["model"] = entry.name

@@ -44,7 +44,18 @@ class MethodIn(_In):
 NO_CONTROL = r"^[^\x00-\x1f\x7f]*$"  # names end up in model names, file names and logs
 
 
-class JobCreate(_In):
+class _BoundedIn(_In):
+    """A request body whose free-form objects (a grader, qerl options) are nested at most MAX_BODY_DEPTH."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded_depth(cls, data: Any) -> Any:
+        if json_depth(data) > MAX_BODY_DEPTH:
+            raise ValueError(f"the request body nests deeper than {MAX_BODY_DEPTH} levels; flatten it")
+        return data
+
+
+class JobCreate(_BoundedIn):
     model: str = Field(min_length=1, max_length=255, pattern=NO_CONTROL)
     training_file: str | None = Field(default=None, max_length=255, pattern=NO_CONTROL)
     validation_file: str | None = Field(default=None, max_length=255, pattern=NO_CONTROL)
@@ -55,13 +66,6 @@ class JobCreate(_In):
     hyperparameters: ReinforcementHyperparameters | None = None  # deprecated by OpenAI; method wins
     integrations: list[dict[str, Any]] | None = None
     qerl: dict[str, Any] | None = None  # TrainSpec fields; see service.jobspec
-
-    @model_validator(mode="before")
-    @classmethod
-    def _bounded_depth(cls, data: Any) -> Any:
-        if json_depth(data) > MAX_BODY_DEPTH:
-            raise ValueError(f"the request body nests deeper than {MAX_BODY_DEPTH} levels; flatten it")
-        return data
 
 
 # ---- responses ------------------------------------------------------------------------------
@@ -221,3 +225,61 @@ class Model(BaseModel):
     created: int
     owned_by: str
     qerl: dict[str, Any] = Field(default_factory=dict)  # kind: base | adapter, adapter_id, base_model
+
+
+# ---- graders: /v1/fine_tuning/alpha/graders/validate and /run ---------------------------------
+class GraderValidate(_BoundedIn):
+    grader: dict[str, Any]
+
+
+class GraderRun(_BoundedIn):
+    grader: dict[str, Any]
+    model_sample: str = Field(description="fills {{sample.output_text}} (and sample.output_json when it is JSON)")
+    item: dict[str, Any] = Field(default_factory=dict, description="the dataset row: fills {{item.<field>}}")
+
+
+class GraderValidated(BaseModel):
+    grader: dict[str, Any]
+
+
+class GraderRunErrors(BaseModel):
+    """OpenAI's error flags of a grader run; the model-grader ones never apply here."""
+
+    model_config = ConfigDict(protected_namespaces=())
+    formula_parse_error: bool = False
+    invalid_variable_error: bool = False
+    model_grader_parse_error: bool = False
+    model_grader_refusal_error: bool = False
+    model_grader_server_error: bool = False
+    model_grader_server_error_details: str | None = None
+    other_error: bool = False
+    python_grader_runtime_error: bool = False
+    python_grader_runtime_error_details: str | None = None
+    python_grader_server_error: bool = False
+    python_grader_server_error_type: str | None = None
+    sample_parse_error: bool = False
+    truncated_observation_error: bool = False
+    unresponsive_reward_error: bool = False
+
+
+class GraderRunMetadata(BaseModel):
+    name: str
+    type: str
+    errors: GraderRunErrors
+    execution_time: float  # seconds
+    scores: dict[str, float]  # each named (sub-)grader's score, as training logs them (reward/<name>)
+    token_usage: int | None = None
+    sampled_model_name: str | None = None
+
+
+class GraderRunQerl(BaseModel):
+    error: str | None = None  # what failed and the fix, whichever grader failed
+
+
+class GraderRunResult(BaseModel):
+    model_config = ConfigDict(protected_namespaces=())
+    reward: float
+    metadata: GraderRunMetadata
+    sub_rewards: dict[str, float]  # a multi grader's sub-graders: the values calculate_output combined
+    model_grader_token_usage_per_model: dict[str, Any] = Field(default_factory=dict)
+    qerl: GraderRunQerl = Field(default_factory=GraderRunQerl)

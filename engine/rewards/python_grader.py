@@ -59,10 +59,12 @@ class Limits:
 
 
 class GraderError(TrainError):
-    """The user's grader failed or hit a limit (the job fails with code ``grader_error``)."""
+    """The user's grader failed or hit a limit (the job fails with code ``grader_error``);
+    ``timed_out`` when the limit was its CPU or wall time."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *, timed_out: bool = False) -> None:
         super().__init__("grader_error", message)
+        self.timed_out = timed_out
 
 
 # Runs in the child. Reads {"source", "samples"} on stdin; writes one JSON line per sample to
@@ -266,7 +268,7 @@ def _collect(lines: list[dict[str, Any]], n: int, count: int, rc: int, timed_out
         why = f"exited with code {rc}"
     tail = f"; stderr: {stderr[-300:]}" if stderr else ""
     raise GraderError(f"python grader {why} while grading sample {len(results)}{tail}. Make grade() cheaper, or "
-                      "bound its work on long samples.")
+                      "bound its work on long samples.", timed_out=timed_out or over_cpu or rc == -signal.SIGXCPU)
 
 
 def _check_source(source: Any, path: str) -> str:
