@@ -50,6 +50,8 @@ def grade(grader: Any, completions: list[Any], items: list[dict[str, Any]]
     for c, item in zip(completions, items):
         try:
             score, p = grader(c.text, item)
+        except TrainError:  # the grader's own code (a python grader's grader_error): as it is
+            raise
         except ValueError as exc:
             raise TrainError("invalid_dataset", str(exc)) from None
         scores.append(float(score))

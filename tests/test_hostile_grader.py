@@ -71,6 +71,20 @@ def test_cpu_spin_is_killed(limits: Limits) -> None:
     assert info.value.code == "grader_error" and "sample 0" in str(info.value)
 
 
+def test_a_failing_python_grader_fails_the_job_with_grader_error_not_as_a_dataset_error(limits: Limits) -> None:
+    from types import SimpleNamespace
+
+    from engine.evaluate import grade
+    from engine.types import TrainError
+
+    g = grader("def grade(sample, item):\n    raise RuntimeError('boom')\n", limits)
+    with pytest.raises(TrainError) as info:
+        grade(g, [SimpleNamespace(text="x")], [{}])
+    assert info.value.code == "grader_error" and "boom" in str(info.value)
+    text = grader("def grade(sample, item):\n    return float(item['answer'] == sample['output_text'])\n", limits)
+    assert grade(text, [SimpleNamespace(text="4")], [{"answer": "4"}])[0] == [1.0]
+
+
 def test_memory_bomb_fails(limits: Limits) -> None:
     from dataclasses import replace
 
