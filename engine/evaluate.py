@@ -7,6 +7,7 @@ the run explores with.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 import torch
@@ -54,6 +55,10 @@ def grade(grader: Any, completions: list[Any], items: list[dict[str, Any]]
             raise
         except ValueError as exc:
             raise TrainError("invalid_dataset", str(exc)) from None
+        if not math.isfinite(float(score)):  # would turn every advantage and the adapter into NaN
+            raise TrainError("grader_error", f"the grader {getattr(grader, 'name', '')!r} returned {score} for a "
+                                             f"sample (parts {p}); keep its output finite (calculate_output's "
+                                             "constants well below 1e308, a python grader's return value)")
         scores.append(float(score))
         parts.append({k: float(v) for k, v in p.items()})
         correct.append(is_correct(float(score), p, grader))

@@ -84,6 +84,16 @@ def test_a_failing_python_grader_fails_the_job_with_grader_error_not_as_a_datase
     text = grader("def grade(sample, item):\n    return float(item['answer'] == sample['output_text'])\n", limits)
     assert grade(text, [SimpleNamespace(text="4")], [{"answer": "4"}])[0] == [1.0]
 
+    from engine.rewards import build_grader
+
+    overflow = build_grader({"type": "multi", "name": "huge", "calculate_output": "1e308 * a + 1e308 * a",
+                             "graders": {"a": {"type": "string_check", "name": "a", "operation": "eq",
+                                               "input": "{{sample.output_text}}", "reference": "{{item.answer}}"}}})
+    assert grade(overflow, [SimpleNamespace(text="5")], [{"answer": "4"}])[0] == [0.0]
+    with pytest.raises(TrainError) as info:  # inf would make every advantage, then the adapter, NaN
+        grade(overflow, [SimpleNamespace(text="4")], [{"answer": "4"}])
+    assert info.value.code == "grader_error" and "'huge' returned inf" in str(info.value)
+
 
 def test_memory_bomb_fails(limits: Limits) -> None:
     from dataclasses import replace
