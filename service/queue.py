@@ -292,15 +292,19 @@ def cancel(session: Session, job: Job) -> Job:
         status = session.execute(select(Job.status).where(Job.id == job.id)).scalar()
         if status == "cancelling":
             break
-        if status in TERMINAL:
-            raise JobConflict(f"Job {job.id} has already {_past(status)}; only queued or running jobs can be cancelled")
+        _refuse(job.id, status, "cancelled", "queued, running or paused")
     session.flush()
     session.refresh(job)
     return job
 
 
-def _past(status: str) -> str:
-    return {"succeeded": "succeeded", "failed": "failed", "cancelled": "been cancelled"}[status]
+def _refuse(job_id: str, status: str | None, action: str, allowed: str) -> None:
+    """JobConflict if a job in ``status`` (being cancelled, or finished) cannot be ``action``."""
+    if status == "cancelling":
+        raise JobConflict(f"Job {job_id} is being cancelled; it cannot be {action}")
+    if status in TERMINAL:
+        done = {"succeeded": "succeeded", "failed": "failed", "cancelled": "been cancelled"}[status]
+        raise JobConflict(f"Job {job_id} has already {done}; only {allowed} jobs can be {action}")
 
 
 def pause(session: Session, job: Job) -> Job:
@@ -321,10 +325,7 @@ def pause(session: Session, job: Job) -> Job:
         status = session.execute(select(Job.status).where(Job.id == job.id)).scalar()
         if status in ("pausing", "paused"):
             break
-        if status == "cancelling":
-            raise JobConflict(f"Job {job.id} is being cancelled; it cannot be paused")
-        if status in TERMINAL:
-            raise JobConflict(f"Job {job.id} has already {_past(status)}; only queued or running jobs can be paused")
+        _refuse(job.id, status, "paused", "queued or running")
     session.flush()
     session.refresh(job)
     return job
@@ -344,10 +345,7 @@ def resume(session: Session, job: Job) -> Job:
         if status == "pausing":
             raise JobConflict(f"Job {job.id} is still pausing (saving its checkpoint); resume it once its status "
                               "is paused")
-        if status == "cancelling":
-            raise JobConflict(f"Job {job.id} is being cancelled; it cannot be resumed")
-        if status in TERMINAL:
-            raise JobConflict(f"Job {job.id} has already {_past(status)}; only paused jobs can be resumed")
+        _refuse(job.id, status, "resumed", "paused")
     session.flush()
     session.refresh(job)
     return job

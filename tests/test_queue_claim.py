@@ -130,7 +130,7 @@ def test_cancel_moves_each_state_the_right_way(sessions):
 
         for status in ("succeeded", "failed", "cancelled"):
             done = make_job(s, SPEC, status=status)
-            with pytest.raises(queue.JobConflict, match="only queued or running jobs can be cancelled"):
+            with pytest.raises(queue.JobConflict, match="only queued, running or paused jobs can be cancelled"):
                 queue.cancel(s, done)
             s.rollback()
 
