@@ -205,10 +205,18 @@ def jobs_create(
 def jobs_list(status: Annotated[Optional[str], typer.Option(help="only jobs in this state")] = None,
               limit: Annotated[int, typer.Option(min=1, max=100)] = 20,
               after: Annotated[Optional[str], typer.Option(help="page after this job id")] = None,
+              metadata: Annotated[Optional[list[str]], typer.Option(
+                  help="only jobs whose metadata has KEY=VALUE, repeatable")] = None,
               base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJson = False) -> None:
     """Jobs of this key's project, newest first."""
+    wanted = {}
+    for item in metadata or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise QerlError(422, f"--metadata {item!r}: write KEY=VALUE")
+        wanted[key] = value
     with _client(base_url, api_key) as client:
-        page = client.list_jobs(status=status, limit=limit, after=after)
+        page = client.list_jobs(status=status, limit=limit, after=after, metadata=wanted)
     if as_json:
         return _print_json(page)
     table = Table("id", "status", "model", "progress", "created", "fine-tuned model")

@@ -117,9 +117,11 @@ class Client:
     def resume(self, job_id: str) -> dict[str, Any]:
         return self.post(f"/v1/fine_tuning/jobs/{job_id}/resume")
 
-    def list_jobs(self, *, status: str | None = None, limit: int = 20, after: str | None = None) -> dict[str, Any]:
-        """One page: {"data": [...], "has_more": bool}, newest first."""
-        return self.get("/v1/fine_tuning/jobs", status=status, limit=limit, after=after)
+    def list_jobs(self, *, status: str | None = None, limit: int = 20, after: str | None = None,
+                  metadata: dict[str, str] | None = None) -> dict[str, Any]:
+        """One page: {"data": [...], "has_more": bool}, newest first; ``metadata``: pairs every job has."""
+        pairs = {f"metadata[{k}]": v for k, v in (metadata or {}).items()}
+        return self.get("/v1/fine_tuning/jobs", status=status, limit=limit, after=after, **pairs)
 
     def checkpoints(self, job_id: str, limit: int = 100) -> list[dict[str, Any]]:
         return self.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints", limit=limit)["data"]

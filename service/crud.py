@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Select, and_, bindparam, func, or_, select
+from sqlalchemy import Select, Text, and_, bindparam, cast, func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -101,11 +101,21 @@ def insert_job(session: Session, job: Job, first_event: str) -> Job | None:
     return job
 
 
-def list_jobs(session: Session, project: str, *, after: str | None, limit: int,
-              status: str | None) -> tuple[list[Job], bool]:
+def list_jobs(session: Session, project: str, *, after: str | None, limit: int, status: str | None,
+              metadata: dict[str, str] | None = None) -> tuple[list[Job], bool]:
+    """``metadata``: every pair must be in the job's metadata ({} : jobs without metadata)."""
     stmt = select(Job).where(Job.project == project)
     if status:
         stmt = stmt.where(Job.status == status)
+    if metadata == {}:  # a JSON column stores Python's None as SQL NULL or as JSON null
+        stmt = stmt.where(or_(Job.user_metadata.is_(None), func.coalesce(cast(Job.user_metadata, Text), "null")
+                              .in_(("null", "{}"))))
+    for k, v in (metadata or {}).items():
+        if session.get_bind().dialect.name == "sqlite":  # its JSON paths cannot quote every key: match pairs
+            pairs = func.json_each(Job.user_metadata).table_valued("key", "value")
+            stmt = stmt.where(select(pairs.c.key).where(pairs.c.key == k, pairs.c.value == v).exists())
+        else:
+            stmt = stmt.where(Job.user_metadata[k].as_string() == v)
     cursor = get_job(session, project, after) if after else None
     return page(session, newest_first_after(stmt, Job, cursor), limit)
 

@@ -239,6 +239,32 @@ def test_pause_and_resume_over_the_api(client, key_a, file_id, db_sessions, disp
         assert_error(client.post(f"/v1/fine_tuning/jobs/ftjob-nope/{verb}", headers=key_a.headers), 404)
 
 
+def test_list_filters_by_metadata_as_openai_does(client, key_a, key_b, file_id):
+    odd = 'we"ird\'key.$[0]'
+    made = {name: client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=body(file_id, **extra)).json()["id"]
+            for name, extra in [("one", {"metadata": {"run": "1", "team": "a", odd: "x"}}),
+                                ("two", {"metadata": {"run": "2", "team": "a"}}), ("bare", {})]}
+
+    def listed(params) -> list[str]:
+        resp = client.get("/v1/fine_tuning/jobs", headers=key_a.headers, params=params)
+        assert resp.status_code == 200, resp.text
+        return [j["id"] for j in resp.json()["data"]]
+
+    assert listed({"metadata[run]": "1"}) == [made["one"]]
+    assert listed({"metadata[team]": "a"}) == [made["two"], made["one"]]
+    assert listed([("metadata[team]", "a"), ("metadata[run]", "2")]) == [made["two"]]
+    assert listed({"metadata[team]": "b"}) == [] and listed({"metadata[nope]": ""}) == []
+    assert listed({f"metadata[{odd}]": "x"}) == [made["one"]]
+    assert listed({"metadata": "null"}) == [made["bare"]]
+    assert listed({"metadata[team]": "a", "status": "queued", "limit": 1}) == [made["two"]]
+    assert made["one"] not in [j["id"] for j in client.get("/v1/fine_tuning/jobs", headers=key_b.headers,
+                                                           params={"metadata[run]": "1"}).json()["data"]]
+    for bad in ({"metadata": "x"}, {"metadata[]": "1"}, [("metadata[run]", "1"), ("metadata[run]", "2")],
+                [("metadata", "null"), ("metadata[run]", "1")], {f"metadata[{'k' * 65}]": "1"},
+                {f"metadata[k{i}]": "v" for i in range(17)}):
+        assert_error(client.get("/v1/fine_tuning/jobs", headers=key_a.headers, params=bad), 422, param="metadata")
+
+
 def test_idempotency_key(client, key_a, file_id, db_sessions):
     idem = {"Idempotency-Key": f"k-{secrets.token_hex(4)}", **key_a.headers}
     first = client.post("/v1/fine_tuning/jobs", headers=idem, json=body(file_id, seed=1))

@@ -39,6 +39,8 @@ def test_openai_sdk_round_trip(sdk: OpenAI, key_b, live_server):
         "type": "reinforcement", "reinforcement": {"grader": STRING_CHECK}}).id for _ in range(2)]
     walked = [j.id for j in sdk.fine_tuning.jobs.list(limit=1)]  # auto-pagination with `after`
     assert walked == [others[1], others[0], job.id]
+    assert [j.id for j in sdk.fine_tuning.jobs.list(metadata={"run": "1"})] == [job.id]  # metadata[run]=1
+    assert [j.id for j in sdk.fine_tuning.jobs.list(metadata={"run": "2"})] == []
 
     paused = sdk.fine_tuning.jobs.pause(job.id)
     assert paused.status == "paused" and paused.finished_at is None

@@ -45,6 +45,10 @@ def test_create_and_watch_render_progress_and_exit_0(cli_job: CliJob) -> None:
 def test_list_get_and_events(cli_job: CliJob, qerl_server: Served) -> None:
     listed = qerl_server.qerl("jobs", "list")
     assert listed.returncode == 0 and cli_job.job_id in listed.stdout and "succeeded" in listed.stdout
+    mine = qerl_server.qerl("jobs", "list", "--metadata", "origin=test", "--json")
+    assert cli_job.job_id in [j["id"] for j in json.loads(mine.stdout)["data"]], mine.stderr
+    other = qerl_server.qerl("jobs", "list", "--metadata", "origin=elsewhere", "--json")
+    assert json.loads(other.stdout)["data"] == [], other.stderr
     got = qerl_server.qerl("jobs", "get", cli_job.job_id)
     assert got.returncode == 0 and cli_job.job["fine_tuned_model"] in got.stdout
     assert cli_job.job["qerl"]["adapter_id"] in got.stdout

@@ -73,14 +73,41 @@ def create_job(body: JobCreate, key: CurrentKey, session: SessionDep, settings: 
 
 
 @router.get("", response_model=ListPage[FineTuningJob])
-def list_jobs(key: CurrentKey, session: ReadSessionDep, after: str | None = None,
+def list_jobs(request: Request, key: CurrentKey, session: ReadSessionDep, after: str | None = None,
               limit: int = Query(20, ge=1, le=crud.MAX_LIMIT), status: str | None = None) -> ListPage[FineTuningJob]:
+    """Newest first; ``status=`` and OpenAI's metadata filter (``metadata[k]=v``, every pair must
+    match; ``metadata=null``: jobs created without metadata)."""
     if status is not None and status not in STATUSES:
         raise APIError(422, f"Invalid value for 'status': {status!r}; use one of {', '.join(STATUSES)}.",
                        code="invalid_value", param="status")
-    rows, more = crud.list_jobs(session, key.project, after=after, limit=limit, status=status)
+    rows, more = crud.list_jobs(session, key.project, after=after, limit=limit, status=status,
+                                metadata=_metadata_filter(request))
     data = [job_view(j) for j in rows]
     return ListPage.of(data, more)
+
+
+def _metadata_filter(request: Request) -> dict[str, str] | None:
+    """``metadata[k]=v`` pairs of the query string, {} for ``metadata=null``, None for no filter."""
+    pairs = [(k, v) for k, v in request.query_params.multi_items() if k == "metadata" or k.startswith("metadata[")]
+    if not pairs:
+        return None
+    if [k for k, _ in pairs] == ["metadata"]:
+        if pairs[0][1] != "null":
+            raise APIError(422, "Invalid metadata filter: use metadata[KEY]=VALUE (repeatable), or metadata=null "
+                                "for jobs without metadata.", code="invalid_value", param="metadata")
+        return {}
+    wanted: dict[str, str] = {}
+    for k, v in pairs:
+        name = k[len("metadata["):-1] if k.startswith("metadata[") and k.endswith("]") else None
+        if not name or len(name) > 64 or name in wanted or len(v) > 512:
+            raise APIError(422, f"Invalid metadata filter {k}={v[:80]!r}: use metadata[KEY]=VALUE with a key of 1-64 "
+                                "characters, each key once, a value of at most 512, and not together with "
+                                "metadata=null.", code="invalid_value", param="metadata")
+        wanted[name] = v
+    if len(wanted) > 16:
+        raise APIError(422, "A metadata filter has at most 16 keys (a job's metadata has at most 16).",
+                       code="invalid_value", param="metadata")
+    return wanted
 
 
 @router.get("/{job_id}", response_model=FineTuningJob)
