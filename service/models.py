@@ -157,3 +157,20 @@ class Adapter(Base):
     manifest: Mapped[dict[str, Any]] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
+
+
+class WebhookEvent(Base):
+    """Outbox of ``QERL_WEBHOOK_URL`` notifications: written in the transaction that ends a job,
+    delivered (and retried with back-off) by the workers' maintenance pass."""
+
+    __tablename__ = "webhook_events"
+    __table_args__ = (Index("ix_webhook_events_due", "delivered_at", "next_attempt_at"),)
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("evt"))
+    type: Mapped[str] = mapped_column(String(64))  # fine_tuning.job.succeeded | .failed | .cancelled
+    job_id: Mapped[str] = mapped_column(String(40), ForeignKey("jobs.id", ondelete="CASCADE"))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    delivered_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    gave_up_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    last_error: Mapped[str | None] = mapped_column(Text, nullable=True)

@@ -22,7 +22,7 @@ from typing import Any
 from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from service.models import Checkpoint, Job, JobEvent, utcnow
+from service.models import Checkpoint, Job, JobEvent, WebhookEvent, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +206,12 @@ def add_event(session: Session, job_id: str, attempt: int, message: str, *, leve
                          data=data, created_at=utcnow()))
 
 
+def _ended(session: Session, job_id: str, status: str) -> None:
+    """A job just ended (in the caller's transaction): queue its webhook event (OpenAI's
+    ``fine_tuning.job.<status>``), which the workers deliver when QERL_WEBHOOK_URL is set."""
+    session.add(WebhookEvent(type=f"fine_tuning.job.{status}", job_id=job_id))
+
+
 def latest_checkpoint(session: Session, job_id: str) -> Checkpoint | None:
     return session.execute(select(Checkpoint).where(Checkpoint.job_id == job_id)
                            .order_by(Checkpoint.step.desc(), Checkpoint.created_at.desc()).limit(1)).scalar()
@@ -240,6 +246,7 @@ def finish(session: Session, job_id: str, attempt: int, status: str, *, error_co
     session.execute(update(Job).where(Job.id == job_id).values(**values))
     add_event(session, job_id, attempt, msg, level=level,
               data={"error_code": values.get("error_code")} if status == "failed" else None)
+    _ended(session, job_id, status)
     session.commit()
     return status
 
@@ -283,6 +290,7 @@ def cancel(session: Session, job: Job) -> Job:
                               .returning(Job.attempt)).first()
         if row is not None:
             add_event(session, job.id, row[0], "The job was cancelled")
+            _ended(session, job.id, "cancelled")
             break
         row = session.execute(update(Job).where(Job.id == job.id, Job.status.in_(("running", "pausing")))
                               .values(status="cancelling", cancel_requested=True).returning(Job.attempt)).first()
@@ -421,6 +429,8 @@ def reap(session: Session) -> list[str]:
         if session.execute(update(Job).where(fence_).values(**values).returning(Job.id)).first() is None:
             continue
         add_event(session, job_id, attempt, msg, level=level)
+        if values["status"] in TERMINAL:
+            _ended(session, job_id, values["status"])
         if values["status"] == "queued":
             requeued.append(job_id)
         log.warning("job %s: %s", job_id, msg)

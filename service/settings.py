@@ -41,6 +41,12 @@ class Settings(BaseSettings):
     # this long after the job ended; the adapter tarball it produced stays
     job_files_retention_seconds: float = Field(default=3600.0, ge=0)
     cleanup_interval_seconds: float = Field(default=60.0, gt=0)  # how often workers look for such workdirs
+    # job-end notifications (OpenAI's fine_tuning.job.* events, signed as Standard Webhooks)
+    webhook_url: str | None = None
+    webhook_secret: str | None = None  # whsec_<base64> (or any string: its UTF-8 bytes are the key)
+    webhook_timeout_seconds: float = Field(default=5.0, gt=0)
+    webhook_retry_seconds: float = Field(default=5.0, gt=0)  # first retry; each later one waits 6x longer, to 1 h
+    webhook_max_age_seconds: float = Field(default=86400.0, gt=0)  # then an undelivered event is given up
     celery_queue: str = "qerl"
     embedded_worker: bool = True  # start the in-process worker thread in embedded mode
 
@@ -60,7 +66,7 @@ class Settings(BaseSettings):
     auto_migrate: bool | None = None  # None: only in embedded mode
     config_path: Path | None = Field(default=None, validation_alias=_env("QERL_CONFIG"))  # client config file
 
-    @field_validator("database_url", "redis_url", mode="before")
+    @field_validator("database_url", "redis_url", "webhook_url", "webhook_secret", mode="before")
     @classmethod
     def _blank_is_none(cls, value: object) -> object:
         return None if isinstance(value, str) and not value.strip() else value
@@ -75,6 +81,8 @@ class Settings(BaseSettings):
             self.database_url = f"sqlite:///{self.data_dir / 'qerl.db'}"
         if self.database_url.startswith(("postgres://", "postgresql://")):
             raise ValueError("DATABASE_URL must use the psycopg 3 driver: postgresql+psycopg://user@host/db")
+        if self.webhook_url is not None:
+            _check_webhook(self.webhook_url, self.webhook_secret)
         if self.heartbeat_seconds * 2 > self.lease_seconds:
             raise ValueError("QERL_HEARTBEAT_SECONDS must be at most half of QERL_LEASE_SECONDS "
                              "(a lease must survive one missed heartbeat)")
@@ -103,6 +111,25 @@ class Settings(BaseSettings):
 
 
 @lru_cache
+def _check_webhook(url: str, secret: str | None) -> None:
+    import base64
+    import binascii
+    from urllib.parse import urlsplit
+
+    if urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).netloc:
+        raise ValueError(f"QERL_WEBHOOK_URL must be an http(s) URL such as https://hooks.example.com/qerl; got {url!r}")
+    if not secret:
+        raise ValueError("QERL_WEBHOOK_URL needs QERL_WEBHOOK_SECRET, the key its events are signed with "
+                         "(whsec_ + base64 of 24-64 random bytes, as Standard Webhooks)")
+    if secret.startswith("whsec_"):
+        try:
+            if not base64.b64decode(secret[6:], validate=True):
+                raise ValueError
+        except (binascii.Error, ValueError):
+            raise ValueError("QERL_WEBHOOK_SECRET: after whsec_ must come base64 of the key bytes, e.g. "
+                             "whsec_$(openssl rand -base64 32)") from None
+
+
 def get_settings() -> Settings:
     """The process-wide settings; tests change the environment and call ``cache_clear()``."""
     return Settings()

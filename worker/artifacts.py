@@ -105,3 +105,12 @@ def pack_adapter(adapter_dir: Path, artifact_dir: Path, adapter_id: str) -> Pack
             digest.update(chunk)
     return PackedAdapter(path=str(final.relative_to(artifact_dir)), bytes=final.stat().st_size,
                          sha256=digest.hexdigest(), manifest=manifest)
+
+
+def cleanup(session: Session, settings: Any) -> None:
+    """The maintenance pass's slow part (every ``cleanup_interval_seconds``): finished jobs'
+    workdirs past their retention, and webhook events past theirs."""
+    from worker import webhooks
+
+    remove_finished_workdirs(session, settings.artifact_dir, retention_s=settings.job_files_retention_seconds)
+    webhooks.prune(session)

@@ -165,10 +165,13 @@ _next_cleanup = 0.0  # monotonic time of the next look for finished jobs' workdi
 
 
 def maintain() -> None:
-    """One reaper + sweeper pass, and every ``cleanup_interval_seconds`` the removal of finished
-    jobs' workdirs; errors are logged and the next pass tries again."""
+    """One reaper + sweeper pass, the webhook events that are due, and every
+    ``cleanup_interval_seconds`` the removal of finished jobs' workdirs and of old webhook events;
+    errors are logged and the next pass tries again."""
     global _next_cleanup
     from service import queue
+    from worker import webhooks
+    from worker.artifacts import cleanup
 
     try:
         with _session_factory()() as s:
@@ -176,9 +179,8 @@ def maintain() -> None:
             queue.sweep(s, older_than_s=settings.sweep_after_seconds)
             if time.monotonic() >= _next_cleanup:
                 _next_cleanup = time.monotonic() + settings.cleanup_interval_seconds
-                from worker.artifacts import remove_finished_workdirs
-
-                remove_finished_workdirs(s, settings.artifact_dir, retention_s=settings.job_files_retention_seconds)
+                cleanup(s, settings)
+        webhooks.deliver_due(_session_factory(), settings)
     except Exception as exc:  # e.g. the database is restarting: say so once per pass, briefly
         log.warning("maintenance pass failed: %s: %s", type(exc).__name__, str(exc).splitlines()[0][:300])
 

@@ -3,8 +3,8 @@
 It uses the same claim / lease / run code as the Celery task. Instead of messages it loops on
 ``claim_next`` and sleeps on an Event that ``queue.wake`` sets, so a wake-up can never be lost
 (the sweeper's job is done by the loop itself); the reaper runs in the same loop, so a job left
-running by a killed server is resumed after its lease expires, and so does the removal of
-finished jobs' workdirs.
+running by a killed server is resumed after its lease expires, and so do the webhook
+deliveries and the removal of finished jobs' workdirs.
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from typing import Any
 
 from service import queue
 from service.db import make_engine, make_sessionmaker
-from worker.artifacts import remove_finished_workdirs
+from worker import webhooks
+from worker.artifacts import cleanup
 from worker.runner import WorkerContext, run_next
 
 log = logging.getLogger(__name__)
@@ -67,8 +68,8 @@ class EmbeddedWorker:
                         queue.reap(s)
                         if time.monotonic() >= next_cleanup:
                             next_cleanup = time.monotonic() + settings.cleanup_interval_seconds
-                            remove_finished_workdirs(s, settings.artifact_dir,
-                                                     retention_s=settings.job_files_retention_seconds)
+                            cleanup(s, settings)
+                    webhooks.deliver_due(self.ctx.sessions, settings)
                     next_reap = time.monotonic() + self.poll_seconds
                 self._wake.clear()
                 if run_next(self.ctx) is not None:
