@@ -70,9 +70,10 @@ def deliver_due(sessions: Callable[[], Session], settings: Any, *, post: Callabl
         return 0
     now = utcnow()
     with sessions() as s:
-        due = s.execute(select(WebhookEvent).where(  # events older than max age are never sent (pruned later)
-            WebhookEvent.delivered_at.is_(None), WebhookEvent.gave_up_at.is_(None), WebhookEvent.next_attempt_at <= now,
-            WebhookEvent.created_at >= now - timedelta(seconds=settings.webhook_max_age_seconds))
+        young = now - timedelta(seconds=settings.webhook_max_age_seconds)  # older ones are never sent
+        due = s.execute(select(WebhookEvent)
+                        .where(WebhookEvent.delivered_at.is_(None), WebhookEvent.gave_up_at.is_(None),
+                               WebhookEvent.next_attempt_at <= now, WebhookEvent.created_at >= young)
                         .order_by(WebhookEvent.next_attempt_at).limit(BATCH).with_for_update(skip_locked=True)
                         ).scalars().all()
         claimed = []
@@ -111,7 +112,8 @@ def _send(settings: Any, event_id: str, body: dict[str, Any], post: Callable[...
     data = json.dumps(body, separators=(",", ":")).encode()
     ts = int(time.time())
     headers = {"content-type": "application/json", "user-agent": "qerl-webhooks", "webhook-id": event_id,
-               "webhook-timestamp": str(ts), "webhook-signature": signature(settings.webhook_secret, event_id, ts, data)}
+               "webhook-timestamp": str(ts),
+               "webhook-signature": signature(settings.webhook_secret, event_id, ts, data)}
     try:
         resp = (post or httpx.post)(settings.webhook_url, content=data, headers=headers,
                                     timeout=settings.webhook_timeout_seconds)
