@@ -1,9 +1,9 @@
 """Keeps a claimed job's lease alive from a side thread and turns what it learns into flags.
 
 The engine polls ``should_stop()`` often, so the flags are plain Events it can read without
-touching the database: ``cancelled`` and ``pausing`` (the API asked), ``lost`` (reaped, re-claimed, or the
-database unreachable for longer than the lease), ``orphaned`` (the Celery parent process died,
-so nobody would collect this child's result).
+touching the database: ``cancelled`` and ``pausing`` (the API asked), ``lost`` (reaped,
+re-claimed, or the database unreachable for longer than the lease), ``orphaned`` (the Celery
+parent process died, so nobody would collect this child's result).
 
 ``retry`` runs the worker's other database writes (progress, checkpoints, the outcome) through a
 database restart: exponential back-off for as long as the lease lasts since its last renewal.
