@@ -8,6 +8,8 @@ A checkpoint is one directory, ``<workdir>/checkpoints/step-000005/``:
                          (rollout sampling, AQN noise)
     state.json           step, data cursor (epoch, position), AQN state, last metrics
     spec.json            the TrainSpec the run was started with
+    adapter/             the LoRA at this step as a PEFT adapter with its manifest (what the
+                         training loop adds; the API serves it as the checkpoint's download)
 
 It is written into a hidden sibling directory, every file and the directory fsynced, then
 renamed into place, so a crash leaves the previous checkpoint or the new one, never half of
@@ -21,6 +23,7 @@ import random
 import re
 import shutil
 from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,8 +89,9 @@ def _python_state_from_list(state: list) -> tuple:
 # -- write --------------------------------------------------------------------------------
 def save_checkpoint(root: Path, step: int, *, adapter: dict[str, torch.Tensor], optimizer: dict[str, Any],
                     scheduler: dict[str, Any], rng: dict[str, Any], state: dict[str, Any],
-                    spec: dict[str, Any], keep: int = 2) -> Path:
-    """Write checkpoint ``step`` under ``root`` atomically; prune to the newest ``keep``."""
+                    spec: dict[str, Any], keep: int = 2, extra: Callable[[Path], Any] | None = None) -> Path:
+    """Write checkpoint ``step`` under ``root`` atomically; prune to the newest ``keep``.
+    ``extra(dir)`` writes more into the checkpoint before it is published (its PEFT adapter)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
@@ -102,7 +106,9 @@ def save_checkpoint(root: Path, step: int, *, adapter: dict[str, torch.Tensor], 
         torch.save(rng, tmp / "rng.pt")
         _write_json(tmp / "state.json", {"step": step, **state})
         _write_json(tmp / "spec.json", spec)
-        for f in tmp.iterdir():
+        if extra is not None:
+            extra(tmp)
+        for f in tmp.rglob("*"):
             _fsync_file(f)
         _fsync_dir(tmp)
     except BaseException:  # a full disk, say: give the space of the partial copy back at once

@@ -423,9 +423,11 @@ class _Run:
         state = {"data": boundary.data, "trained_tokens": self.trained_tokens, "elapsed_s": self._elapsed(),
                  "initial_eval": self.initial_eval, "metrics": self.last_metrics,
                  "aqn": {"sigma_next": sigma_for_step(self.step, self.spec.steps, self.spec.aqn)}}
+        partial = self.step < self.spec.steps
         path = ckpt.save_checkpoint(self.workdir / "checkpoints", self.step, adapter=adapter_state_dict(self.model),
                                     optimizer=self.optimizer.state_dict(), scheduler=self.scheduler.state_dict(),
-                                    rng=boundary.rng, state=state, spec=_jsonable(self.spec), keep=2)
+                                    rng=boundary.rng, state=state, spec=_jsonable(self.spec), keep=2,
+                                    extra=lambda d: self._write_adapter(d / "adapter", stopped=partial))
         self.reporter.checkpoint(self.step, path, dict(self.last_metrics))
         self.reporter.event("info", f"Checkpoint saved at step {self.step}", {"step": self.step, "path": str(path)})
         return path
@@ -456,10 +458,11 @@ class _Run:
                             {"steps": self.step, "adapter_dir": str(adapter), **final})
         return TrainResult(adapter_dir=adapter, steps=self.step, metrics=final, stopped=False)
 
-    def _write_adapter(self, *, stopped: bool) -> Path:
+    def _write_adapter(self, out_dir: Path | None = None, *, stopped: bool) -> Path:
+        """The PEFT adapter of the LoRA as it is now (the job's result, or a checkpoint's copy)."""
         from engine.manifest import write_adapter
 
-        return write_adapter(self.model, self.workdir / "adapter", spec=self.spec, steps=self.step,
+        return write_adapter(self.model, out_dir or self.workdir / "adapter", spec=self.spec, steps=self.step,
                              metrics=self._final_metrics(), model_dir=self.model_dir, stopped=stopped)
 
 

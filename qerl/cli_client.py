@@ -340,9 +340,13 @@ def adapters_list(base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJ
 def adapters_download(adapter_id: Annotated[str, typer.Argument(help="adapter id, or the id of a job that succeeded")],
                       output: Annotated[Optional[Path], typer.Option("-o", "--output", file_okay=False,
                                                                       help="directory (default ./<adapter id>)")] = None,
+                      checkpoint: Annotated[Optional[int], typer.Option(
+                          help="with a job id: the LoRA of its checkpoint at this step instead")] = None,
                       base_url: BaseUrl = None, api_key: ApiKey = None) -> None:
     """Download, verify (sha256) and extract an adapter into a directory PEFT and vLLM load."""
     with _client(base_url, api_key) as client:
+        if checkpoint is not None:
+            return _download_checkpoint(client, adapter_id, checkpoint, output)
         if adapter_id.startswith("ftjob-"):
             job = client.job(adapter_id)
             adapter_id = job["qerl"].get("adapter_id") or ""
@@ -351,14 +355,38 @@ def adapters_download(adapter_id: Annotated[str, typer.Argument(help="adapter id
                                      f"to succeed (qerl jobs watch {job['id']})")
         meta = client.adapter(adapter_id)
         target = output or Path(adapter_id)
-        columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
-        with Progress(*columns, console=out) as progress:
+        with _progress() as progress:
             task = progress.add_task(adapter_id, total=meta.get("bytes") or None)
             client.download_adapter(adapter_id, target, lambda n, total: progress.update(task, advance=n))
     out.print(f"[green]sha256 verified[/] {meta['sha256']}")
     out.print(f"adapter {adapter_id} ({escape(meta['name'])}, base {escape(meta['base_model'])}) extracted to {target}")
+    _how_to_load(meta["name"], target)
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                    console=out)
+
+
+def _how_to_load(name: str, target: Path) -> None:
     out.print(f"load it: peft.PeftModel.from_pretrained(base_model, {str(target)!r})  |  "
-              f"vLLM: LoRARequest({meta['name']!r}, 1, {str(target)!r})", highlight=False)
+              f"vLLM: LoRARequest({name!r}, 1, {str(target)!r})", highlight=False)
+
+
+def _download_checkpoint(client: Client, job_id: str, step: int, output: Path | None) -> None:
+    if not job_id.startswith("ftjob-"):
+        raise QerlError(422, f"--checkpoint needs a job id (ftjob-...), not {job_id!r}")
+    found = [c for c in client.checkpoints(job_id) if c["step_number"] == step]
+    if not found:
+        raise QerlError(404, f"job {job_id} has no checkpoint at step {step} (qerl jobs get {job_id}; the "
+                             "checkpoints endpoint lists them)")
+    c = found[0]
+    target = output or Path(f"{job_id}-ckpt-step-{step}")
+    with _progress() as progress:
+        task = progress.add_task(c["id"], total=None)
+        client.download_checkpoint(job_id, c["id"], target, lambda n, total: progress.update(task, advance=n))
+    out.print(f"[green]sha256 verified[/] checkpoint {c['id']} (step {step}) extracted to {target}")
+    _how_to_load(c["fine_tuned_model_checkpoint"], target)
 
 
 @adapters_app.command("delete")

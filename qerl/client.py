@@ -185,13 +185,22 @@ class Client:
         The archive holds the PEFT files at its root, so ``out_dir`` is ready for
         ``PeftModel.from_pretrained`` and vLLM's ``LoRARequest``. Files listed with a sha256 in
         ``qerl_manifest.json`` are checked too."""
+        return self._download(f"/v1/adapters/{adapter_id}/content", f"adapter {adapter_id}", out_dir, progress)
+
+    def download_checkpoint(self, job_id: str, checkpoint_id: str, out_dir: Path,
+                            progress: Callable[[int, int], None] | None = None) -> Path:
+        """The LoRA of one of the job's checkpoints as a PEFT adapter, checked and extracted as
+        ``download_adapter`` does (while the server still keeps that checkpoint)."""
+        return self._download(f"/v1/fine_tuning/jobs/{job_id}/checkpoints/{checkpoint_id}/content",
+                              f"checkpoint {checkpoint_id}", out_dir, progress)
+
+    def _download(self, path: str, what: str, out_dir: Path, progress: Callable[[int, int], None] | None) -> Path:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        tmp = out_dir / f".{adapter_id}.tar.gz.part"
+        tmp = out_dir / f".{path.rstrip('/').split('/')[-2]}.tar.gz.part"
         digest = hashlib.sha256()
         try:
-            with self.http.stream("GET", f"/v1/adapters/{adapter_id}/content",
-                                  timeout=httpx.Timeout(30.0, read=300.0)) as resp:
+            with self.http.stream("GET", path, timeout=httpx.Timeout(30.0, read=300.0)) as resp:
                 if resp.status_code >= 400:
                     resp.read()
                     self._check(resp)
@@ -204,10 +213,10 @@ class Client:
                         if progress:
                             progress(len(chunk), total)
             if not expected:
-                raise QerlError(502, f"adapter {adapter_id}: the server sent no X-Checksum-Sha256 header; "
+                raise QerlError(502, f"{what}: the server sent no X-Checksum-Sha256 header; "
                                      "the download cannot be verified")
             if digest.hexdigest() != expected:
-                raise QerlError(502, f"adapter {adapter_id}: sha256 {digest.hexdigest()} does not match the "
+                raise QerlError(502, f"{what}: sha256 {digest.hexdigest()} does not match the "
                                      f"server's {expected}; download it again")
             with tarfile.open(tmp) as tar:
                 tar.extractall(out_dir, filter="data")

@@ -105,6 +105,32 @@ class ArtifactStore:
             raise
         return Staged(self, tmp, total, digest.hexdigest())
 
+    def pack(self, src: Path) -> Staged:
+        """A tar.gz of the files under ``src`` (sorted, named relative to it: a PEFT directory's
+        files at the archive root) in a temporary file, fsynced and hashed. The same files give
+        the same bytes (no time in the gzip header)."""
+        import gzip
+        import tarfile
+
+        src = Path(src)
+        tmp = self._tmp_path()
+        try:
+            with open(tmp, "wb") as raw:
+                with gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as gz:  # same files: same bytes
+                    with tarfile.open(fileobj=gz, mode="w") as tar:
+                        for f in sorted(p for p in src.rglob("*") if p.is_file()):
+                            tar.add(f, arcname=str(f.relative_to(src)))
+                raw.flush()
+                os.fsync(raw.fileno())
+            digest = hashlib.sha256()
+            with open(tmp, "rb") as fh:
+                for chunk in iter_chunks(fh):
+                    digest.update(chunk)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return Staged(self, tmp, tmp.stat().st_size, digest.hexdigest())
+
     def verified(self, rel: str, sha256: str) -> Path:
         """The path of ``rel`` once its bytes hash to ``sha256``; FileNotFoundError or Corrupt otherwise.
 

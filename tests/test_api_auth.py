@@ -42,7 +42,8 @@ def test_other_projects_objects_are_404(client, key_a, key_b):
                          ("POST", f"/v1/fine_tuning/jobs/{job_id}/resume"),
                          ("GET", f"/v1/fine_tuning/jobs/{job_id}/events"),
                          ("GET", f"/v1/fine_tuning/jobs/{job_id}/metrics"),
-                         ("GET", f"/v1/fine_tuning/jobs/{job_id}/checkpoints")]:
+                         ("GET", f"/v1/fine_tuning/jobs/{job_id}/checkpoints"),
+                         ("GET", f"/v1/fine_tuning/jobs/{job_id}/checkpoints/ftckpt-x/content")]:
         assert_error(client.request(method, path, headers=key_b.headers), 404, code="not_found")
     assert client.get("/v1/files", headers=key_b.headers).json()["data"] == []
     assert client.get("/v1/fine_tuning/jobs", headers=key_b.headers).json()["data"] == []

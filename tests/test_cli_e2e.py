@@ -209,3 +209,38 @@ def test_adapters_delete_by_model_name_and_by_id(qerl_server: Served) -> None:
     assert made[0]["qerl"]["adapter_id"] not in left and by_id not in left
     again = qerl_server.qerl("adapters", "delete", by_name)
     assert again.returncode == 1 and "(404" in again.stderr and "Traceback" not in again.stderr
+
+
+def test_a_checkpoints_lora_downloads_as_a_peft_adapter_while_it_is_kept(qerl_server: Served, tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    created = qerl_server.qerl("jobs", "create", "--model", "tiny", "--dataset", "products", "--dataset-size", "40",
+                               "--steps", "3", "--set", "qerl.data.eval_size=4", "--set", "qerl.device=cpu",
+                               "--set", "qerl.rollout.max_new_tokens=4", "--set", "qerl.prompts_per_step=1",
+                               "--set", "qerl.checkpoint_interval=1", "--json", "--watch")
+    assert created.returncode == 0, (created.stdout, created.stderr)
+    job_id = re.search(r"Job (ftjob-\w+) succeeded", created.stdout).group(1)
+    final = qerl_server.qerl("adapters", "download", job_id, "-o", str(tmp_path / "final"))
+    assert final.returncode == 0, final.stderr
+    got = {}
+    for step in (2, 3):  # the newest two are kept
+        dl = qerl_server.qerl("adapters", "download", job_id, "--checkpoint", str(step), "-o", str(tmp_path / str(step)))
+        assert dl.returncode == 0 and "sha256 verified" in dl.stdout, (dl.stdout, dl.stderr)
+        got[step] = load_file(tmp_path / str(step) / "adapter_model.safetensors")
+        manifest = json.loads((tmp_path / str(step) / "qerl_manifest.json").read_text())
+        assert manifest["steps"] == step
+    last = load_file(tmp_path / "final" / "adapter_model.safetensors")
+    assert got[3].keys() == last.keys() and all(torch.equal(got[3][k], last[k]) for k in last)  # step 3 is the end
+    pruned = qerl_server.qerl("adapters", "download", job_id, "--checkpoint", "1", "-o", str(tmp_path / "1"))
+    assert pruned.returncode == 1 and "no longer on disk" in pruned.stderr, pruned.stderr
+    missing = qerl_server.qerl("adapters", "download", job_id, "--checkpoint", "9")
+    assert missing.returncode == 1 and "no checkpoint at step 9" in missing.stderr
+
+    ckpts = httpx.get(f"{qerl_server.url}/v1/fine_tuning/jobs/{job_id}/checkpoints",
+                      headers=qerl_server.headers).json()["data"]
+    url = f"{qerl_server.url}/v1/fine_tuning/jobs/{job_id}/checkpoints/{ckpts[0]['id']}/content"
+    a, b = (httpx.get(url, headers=qerl_server.headers) for _ in range(2))
+    assert a.status_code == 200 and a.headers["content-type"] == "application/gzip"
+    assert hashlib.sha256(a.content).hexdigest() == a.headers["x-checksum-sha256"] == b.headers["x-checksum-sha256"]
+    assert httpx.get(url.replace(ckpts[0]["id"], "ftckpt-nope"), headers=qerl_server.headers).status_code == 404

@@ -151,6 +151,16 @@ def test_resume_is_bit_identical(tiny_dir, tmp_path):
     assert wa.keys() == wb.keys()
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k
+    # each checkpoint holds its step's LoRA as a PEFT adapter: the last one is the final adapter
+    last = tmp_path / "a" / "checkpoints" / "step-000004" / "adapter"
+    wc = load_file(str(last / "adapter_model.safetensors"))
+    assert wc.keys() == wa.keys() and all(torch.equal(wa[k], wc[k]) for k in wa)
+    assert (last / "adapter_config.json").read_text() == (res_a.adapter_dir / "adapter_config.json").read_text()
+    early = json.loads((ckpt_dir / "adapter" / "qerl_manifest.json").read_text())
+    assert early["steps"] == 2 and early["stopped_early"] is True
+    assert not any(torch.equal(wa[k], v) for k, v in load_file(str(ckpt_dir / "adapter" /
+                                                                    "adapter_model.safetensors")).items()
+                   if k.endswith("lora_B.weight"))  # step 2's LoRA, not step 4's
     steps_a = {s: m for s, m in straight.steps if "reward_mean" in m}
     steps_b = {s: m for s, m in second.steps if "reward_mean" in m}
     assert sorted(steps_b) == [3, 4]

@@ -7,12 +7,10 @@ every worker's maintenance pass); the tarball stays.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import shutil
-import tarfile
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -23,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from service.models import Job, utcnow
 from service.queue import TERMINAL
+from service.storage import ArtifactStore
 
 log = logging.getLogger(__name__)
 REMOVING = ".removing"  # suffix of a workdir being deleted (a dot name: never a job id)
@@ -85,26 +84,8 @@ def pack_adapter(adapter_dir: Path, artifact_dir: Path, adapter_id: str) -> Pack
     if missing:
         raise RuntimeError(f"the engine's adapter directory {adapter_dir.name}/ lacks {', '.join(missing)}")
     manifest = json.loads((adapter_dir / "qerl_manifest.json").read_text())
-    out_dir = Path(artifact_dir) / "adapters"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    final = out_dir / f"{adapter_id}.tar.gz"
-    tmp = out_dir / f".{adapter_id}.tar.gz.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "wb") as raw:
-            with tarfile.open(fileobj=raw, mode="w:gz") as tar:
-                for f in sorted(p for p in adapter_dir.rglob("*") if p.is_file()):
-                    tar.add(f, arcname=str(f.relative_to(adapter_dir)))
-            raw.flush()
-            os.fsync(raw.fileno())
-        os.replace(tmp, final)
-    finally:
-        tmp.unlink(missing_ok=True)
-    digest = hashlib.sha256()
-    with open(final, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return PackedAdapter(path=str(final.relative_to(artifact_dir)), bytes=final.stat().st_size,
-                         sha256=digest.hexdigest(), manifest=manifest)
+    blob = ArtifactStore(artifact_dir).pack(adapter_dir).publish(f"adapters/{adapter_id}.tar.gz")
+    return PackedAdapter(path=blob.path, bytes=blob.bytes, sha256=blob.sha256, manifest=manifest)
 
 
 def cleanup(session: Session, settings: Any) -> None:

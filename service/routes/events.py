@@ -1,4 +1,5 @@
-"""A job's events (JSON list, newest first, or a live SSE stream), metrics and checkpoints.
+"""A job's events (JSON list, newest first, or a live SSE stream), metrics and checkpoints (each
+downloadable as a PEFT adapter while it is kept on disk).
 
 JSON: OpenAI's shape; ``after`` is the id of the last (oldest) event of the previous page, so the
 SDK's auto-pagination walks back in time. SSE (``Accept: text/event-stream``): oldest first from
@@ -12,14 +13,15 @@ from typing import Any
 
 import anyio
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import FileResponse, StreamingResponse
+from starlette.background import BackgroundTask
 from sqlalchemy.orm import Session
 
 from service import crud
 from service.auth import CurrentKey
-from service.deps import ReadSessionDep, ReleasingRoute, SettingsDep, json_response
-from service.errors import not_found
-from service.models import Job
+from service.deps import ReadSessionDep, ReleasingRoute, SettingsDep, StoreDep, json_response
+from service.errors import APIError, not_found
+from service.models import Checkpoint, Job
 from service.schemas import FineTuningJobCheckpoint, FineTuningJobEvent, ListPage, StepMetrics
 from service.views import TERMINAL, checkpoint_view, event_view, parse_event_id, unix
 
@@ -94,3 +96,33 @@ def list_checkpoints(job_id: str, key: CurrentKey, session: ReadSessionDep, afte
     rows, more = crud.list_checkpoints(session, job_id, after=after, limit=limit)
     data = [checkpoint_view(c, job) for c in rows]
     return ListPage.of(data, more)
+
+
+@router.get("/checkpoints/{checkpoint_id}/content", response_class=FileResponse,
+            responses={200: {"content": {"application/gzip": {}}}})
+def checkpoint_content(job_id: str, checkpoint_id: str, key: CurrentKey, session: ReadSessionDep,
+                       store: StoreDep) -> FileResponse:
+    """The LoRA at that checkpoint's step as a PEFT adapter (tar.gz, like GET /v1/adapters/{id}/content),
+    while the checkpoint is on disk: the newest 2 while the job runs or is paused, all of them for
+    QERL_JOB_FILES_RETENTION_SECONDS after it ends."""
+    job = _job(session, key.project, job_id)
+    c = session.get(Checkpoint, checkpoint_id)
+    if c is None or c.job_id != job.id:
+        raise not_found("checkpoint", checkpoint_id, "checkpoint_id")
+    gone = APIError(404, f"Checkpoint {checkpoint_id} (step {c.step}) is no longer on disk: a job keeps its newest 2 "
+                         "checkpoints while it runs, and those for QERL_JOB_FILES_RETENTION_SECONDS after it ends. "
+                         "The job's final adapter stays (GET /v1/adapters).", code="checkpoint_not_kept",
+                    param="checkpoint_id")
+    try:
+        src = store.abspath(c.path) / "adapter"
+    except ValueError:  # recorded outside the artifact store
+        raise gone from None
+    if not (src / "adapter_config.json").is_file():
+        raise gone
+    try:
+        staged = store.pack(src)
+    except FileNotFoundError:  # pruned while it was being packed
+        raise gone from None
+    return FileResponse(staged.tmp, media_type="application/gzip", filename=f"{job.id}-ckpt-step-{c.step}.tar.gz",
+                        headers={"X-Checksum-Sha256": staged.sha256, "ETag": f'"{staged.sha256}"'},
+                        background=BackgroundTask(staged.discard))
