@@ -130,6 +130,14 @@ def test_dashboard_shows_the_finished_job_with_its_curves(browser, cli_job: CliJ
     assert len(rows) == len(checkpoints) == STEPS
     assert driver.find_element(By.ID, "job-status").text == "succeeded"
 
+    # a kept checkpoint's LoRA downloads (sha256 checked in the page)
+    for step, expected in ((STEPS, "sha256 verified"), (STEPS - 1, "sha256 verified")):
+        driver.find_element(By.CSS_SELECTOR, f'#checkpoints tr[data-step="{step}"] button.ckpt-download').click()
+        got = _wait(driver, lambda d: (lambda t: t if t not in ("", "downloading…") else None)(
+            d.find_element(By.CSS_SELECTOR, f'#checkpoints tr[data-step="{step}"] span').text),
+            what=f"the checkpoint {step} download")
+        assert expected in got, got
+
     adapter_id = cli_job.job["qerl"]["adapter_id"]
     adapter = driver.find_element(By.ID, "adapter")
     assert adapter_id in adapter.text and f"qerl adapters download {adapter_id}" in adapter.text

@@ -332,9 +332,15 @@
 
     async function loadCheckpoints() {
       const page = await getJSON(`/v1/fine_tuning/jobs/${jobId}/checkpoints?limit=100`, { signal: abort.signal });
-      const rows = page.data.slice().sort((a, b) => a.step_number - b.step_number).map((c) => el('tr', {},
-        el('td', {}, c.step_number), el('td', { class: 'wrap' }, c.fine_tuned_model_checkpoint),
-        el('td', {}, fmt(num(c.metrics.reward_mean))), el('td', {}, when(c.created_at))));
+      const rows = page.data.slice().sort((a, b) => a.step_number - b.step_number).map((c) => {
+        const status = el('span', { class: 'muted' });
+        const get = el('button', { type: 'button', class: 'ckpt-download', onclick: () => download(
+          `/v1/fine_tuning/jobs/${jobId}/checkpoints/${c.id}/content`, `${jobId}-ckpt-step-${c.step_number}.tar.gz`,
+          null, status) }, 'download');
+        return el('tr', { 'data-step': c.step_number },
+          el('td', {}, c.step_number), el('td', { class: 'wrap' }, c.fine_tuned_model_checkpoint),
+          el('td', {}, fmt(num(c.metrics.reward_mean))), el('td', {}, when(c.created_at)), el('td', {}, get, ' ', status));
+      });
       document.querySelector('#checkpoints tbody').replaceChildren(...rows);
     }
 
@@ -344,7 +350,7 @@
       adapterShown = adapterId;
       const a = await getJSON(`/v1/adapters/${adapterId}`, { signal: abort.signal });
       const status = el('span', { class: 'muted' });
-      const button = el('button', { type: 'button', id: 'adapter-download', onclick: () => download(a, status) },
+      const button = el('button', { type: 'button', id: 'adapter-download', onclick: () => download(`/v1/adapters/${a.id}/content`, `${a.id}.tar.gz`, a.sha256, status) },
         'Download adapter (.tar.gz)');
       document.getElementById('adapter').replaceChildren(
         el('dl', { class: 'adapter-meta' },
@@ -355,12 +361,13 @@
         el('pre', { class: 'cmd' }, `qerl adapters download ${a.id} -o ./${a.id}`));
     }
 
-    async function download(a, status) {
+    async function download(path, filename, sha256, status) {
       status.textContent = 'downloading…';
       try {
-        const res = await api(`/v1/adapters/${a.id}/content`);
+        const res = await api(path);
         const blob = await res.blob();
-        const expected = res.headers.get('X-Checksum-Sha256') || a.sha256;
+        const expected = res.headers.get('X-Checksum-Sha256') || sha256;
+        if (!expected) throw new Error('the server sent no X-Checksum-Sha256: the download cannot be verified');
         let note = '';
         if (window.crypto && crypto.subtle) {
           const digest = await crypto.subtle.digest('SHA-256', await blob.arrayBuffer());
@@ -369,7 +376,7 @@
           note = 'sha256 verified';
         }
         const url = URL.createObjectURL(blob);
-        const link = el('a', { href: url, download: `${a.id}.tar.gz` });
+        const link = el('a', { href: url, download: filename });
         document.body.append(link);
         link.click();
         link.remove();
