@@ -11,7 +11,8 @@ adapter and the per-step metrics, comes from ``qerl.client.Client``.
     # or against any deployment:
     QERL_BASE_URL=https://qerl.example.com QERL_API_KEY=sk-qerl-... python examples/openai_sdk.py --steps 30
 
-Steps: upload a JSONL file (files.create), create a reinforcement job with a grader
+Steps: upload a JSONL file (files.create), try the grader on a right and a wrong answer
+(fine_tuning.alpha.graders.validate and run), create a reinforcement job with it
 (fine_tuning.jobs.create), follow it (retrieve + list_events), list its checkpoints
 (checkpoints.list), then download and verify the LoRA adapter, ready for
 ``peft.PeftModel.from_pretrained`` or vLLM's ``LoRARequest``.
@@ -63,7 +64,14 @@ def main() -> int:
         file = sdk.files.create(file=fh, purpose="fine-tune")
     print(f"uploaded {file.filename} as {file.id} ({file.bytes} bytes)")
 
-    # 2. create a reinforcement fine-tuning job; qerl's options go in extra_body
+    # 2. try the grader first: on a right and a wrong answer to the first row (OpenAI's grader endpoints)
+    sdk.fine_tuning.alpha.graders.validate(grader=GRADER)
+    row = EXAMPLE_ROWS[0]
+    for sample in (f"It is {row['answer']}.", "It is 0."):
+        scored = sdk.fine_tuning.alpha.graders.run(grader=GRADER, model_sample=sample, item=row)
+        print(f"grader on {sample!r}: reward {scored.reward}")
+
+    # 3. create a reinforcement fine-tuning job; qerl's options go in extra_body
     options = {"steps": args.steps, "quantization": "nvfp4", "lora": {"r": 8},
                "aqn": {"enabled": True, "sigma_start": 1e-2, "sigma_end": 5e-4},
                "rollout": {"num_generations": 4, "max_new_tokens": 16},
@@ -77,7 +85,7 @@ def main() -> int:
     total = job.model_extra["qerl"]["progress"]["total_steps"]
     print(f"created {job.id}: {job.status}, {total} steps on {job.model}")
 
-    # 3. follow it: retrieve for the status, list_events (newest first) for what happened
+    # 4. follow it: retrieve for the status, list_events (newest first) for what happened
     seen: set[str] = set()
     deadline = time.monotonic() + args.timeout
     while True:
@@ -99,12 +107,12 @@ def main() -> int:
         return 1
     print(f"{job.id} succeeded: {job.fine_tuned_model} ({job.trained_tokens} trained tokens)")
 
-    # 4. checkpoints (one every qerl.checkpoint_interval steps), with the metrics of their step
+    # 5. checkpoints (one every qerl.checkpoint_interval steps), with the metrics of their step
     for ckpt in sdk.fine_tuning.jobs.checkpoints.list(job.id):
         reward = ckpt.metrics.model_extra.get("reward_mean") if ckpt.metrics.model_extra else None
         print(f"  checkpoint step {ckpt.step_number}: {ckpt.fine_tuned_model_checkpoint} reward={reward}")
 
-    # 5. what the SDK does not cover: metrics and the adapter itself (sha256 verified on download)
+    # 6. what the SDK does not cover: metrics and the adapter itself (sha256 verified on download)
     evals = [m for m in qerl.metrics(job.id) if "eval/accuracy" in m["values"]]
     for m in evals:
         print(f"  eval at step {m['step']}: accuracy {m['values']['eval/accuracy']:.3f}, "

@@ -25,6 +25,7 @@ def test_openai_sdk_example_runs_a_job_end_to_end(qerl_server: Served, tmp_path:
     assert run.returncode == 0, (run.stdout, run.stderr, qerl_server.log_tail())
     out = run.stdout
     assert "uploaded arithmetic.jsonl as file-" in out
+    assert "grader on 'It is 19.': reward 1.0" in out and "grader on 'It is 0.': reward 0.0" in out
     job_id = out.split("created ", 1)[1].split(":", 1)[0]
     assert f"{job_id}: queued, 2 steps on tiny" in out
     assert "[info] Step 2/2:" in out and f"{job_id} succeeded: ft:tiny:" in out
