@@ -150,3 +150,36 @@ def test_a_job_committed_without_a_wakeup_is_still_picked_up(lite, embedded):
         jid = make_job(s, tiny_spec("tiny", steps=2)).id  # no wake(): e.g. the process died right after commit
     embedded()
     assert wait_for_status(lite, jid, ("succeeded", "failed"), timeout=120).status == "succeeded"
+
+
+def test_maintenance_runs_while_a_job_does(lite, settings):
+    """Reaper, cleanup and webhooks have a thread of their own: a job cancelled while it waits
+    behind a running one gets its webhook before the running one ends."""
+    from tests.test_webhooks import SECRET, Receiver, _settle_earlier_events
+
+    receiver = Receiver()
+    _settle_earlier_events(lite)
+    settings = settings.model_copy(update={"webhook_url": receiver.url, "webhook_secret": SECRET})
+    worker = start_embedded_worker(settings, poll_seconds=0.3)
+    try:
+        with lite() as s:
+            long = make_job(s, tiny_spec("tiny", steps=500, checkpoint_interval=0)).id
+            waiting = make_job(s, tiny_spec("tiny", steps=2)).id
+            queue.wake(long, s)
+        _wait_step(lite, long, 1)
+        with lite() as s:
+            assert s.get(Job, waiting).status == "queued"
+            queue.cancel(s, s.get(Job, waiting))
+            s.commit()
+        deadline = time.monotonic() + 30
+        while not receiver.events_for(waiting):
+            assert time.monotonic() < deadline, "no webhook for the cancelled job while the other one runs"
+            time.sleep(0.1)
+        with lite() as s:
+            assert s.get(Job, long).status == "running"
+            queue.cancel(s, s.get(Job, long))
+            s.commit()
+        assert wait_for_status(lite, long, ("cancelled",), timeout=60).status == "cancelled"
+    finally:
+        worker.stop(timeout=60)
+        receiver.server.shutdown()

@@ -2,9 +2,9 @@
 
 It uses the same claim / lease / run code as the Celery task. Instead of messages it loops on
 ``claim_next`` and sleeps on an Event that ``queue.wake`` sets, so a wake-up can never be lost
-(the sweeper's job is done by the loop itself); the reaper runs in the same loop, so a job left
-running by a killed server is resumed after its lease expires, and so do the webhook
-deliveries and the removal of finished jobs' workdirs.
+(the sweeper's job is done by the loop itself). A second thread runs the reaper, so a job left
+running by a killed server is resumed after its lease expires, the webhook deliveries and the
+removal of finished jobs' workdirs, also while a job runs.
 """
 from __future__ import annotations
 
@@ -33,9 +33,11 @@ class EmbeddedWorker:
         self.poll_seconds = poll_seconds or float(settings.reap_interval_seconds)
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="qerl-embedded-worker", daemon=True)
+        self._maintenance = threading.Thread(target=self._maintain, name="qerl-embedded-maintenance", daemon=True)
 
     def start(self) -> "EmbeddedWorker":
         queue.set_dispatcher(self.poke)
+        self._maintenance.start()
         self._thread.start()
         return self
 
@@ -49,7 +51,8 @@ class EmbeddedWorker:
         self.ctx.shutdown.set()
         self._wake.set()
         self._thread.join(timeout)
-        if self._thread.is_alive():
+        self._maintenance.join(timeout)
+        if self._thread.is_alive() or self._maintenance.is_alive():
             log.warning("embedded worker did not stop within %s s", timeout)
         else:
             self.engine.dispose()
@@ -59,24 +62,31 @@ class EmbeddedWorker:
         return self._thread.is_alive()
 
     def _loop(self) -> None:
-        next_reap = next_cleanup = 0.0
-        settings = self.ctx.settings
+        """Run queued jobs, oldest first, one at a time; sleep until poked (or ``poll_seconds``)."""
         while not self.ctx.shutdown.is_set():
             try:
-                if time.monotonic() >= next_reap:
-                    with self.ctx.sessions() as s:
-                        queue.reap(s)
-                        if time.monotonic() >= next_cleanup:
-                            next_cleanup = time.monotonic() + settings.cleanup_interval_seconds
-                            cleanup(s, settings)
-                    webhooks.deliver_due(self.ctx.sessions, settings)
-                    next_reap = time.monotonic() + self.poll_seconds
                 self._wake.clear()
                 if run_next(self.ctx) is not None:
                     continue
             except Exception:  # a database hiccup must not kill the thread
                 log.exception("embedded worker loop error")
             self._wake.wait(self.poll_seconds)
+
+    def _maintain(self) -> None:
+        """Every ``poll_seconds``, also while a job runs: the reaper (a requeued job pokes the
+        loop), webhook deliveries, and every ``cleanup_interval_seconds`` the cleanup."""
+        settings, next_cleanup = self.ctx.settings, 0.0
+        while not self.ctx.shutdown.is_set():
+            try:
+                with self.ctx.sessions() as s:
+                    queue.reap(s)
+                    if time.monotonic() >= next_cleanup:
+                        next_cleanup = time.monotonic() + settings.cleanup_interval_seconds
+                        cleanup(s, settings)
+                webhooks.deliver_due(self.ctx.sessions, settings)
+            except Exception:  # a database hiccup must not kill the thread
+                log.exception("embedded worker maintenance error")
+            self.ctx.shutdown.wait(self.poll_seconds)
 
 
 def start_embedded_worker(settings: Any, **kw: Any) -> EmbeddedWorker:
