@@ -43,9 +43,9 @@ stage patterns 90 bash -c 'b=$(mktemp -d)/read_patterns; nvcc -O3 -std=c++17 -ar
   benchmarks/read_patterns.cu && "$b"'
 stage chain 60 bash -c 'b=$(mktemp -d)/chain_overhead; nvcc -O3 -std=c++17 -arch=sm_90a -o "$b" \
   benchmarks/chain_overhead.cu && "$b"'
-# the LoRA shrinks' K blocks merged through tickets (the default) or in a cluster, alternated in one process
+# the LoRA shrinks' K blocks merged through tickets or in a cluster (the default), alternated in one process
 stage shrinkab 200 bash -c 'for s in 7b 32b; do python3 benchmarks/decode_ab.py --size $s --batches 1,8 --rounds 3 \
-  --variant tickets: --variant cluster:env.QERL_SHRINK_CLUSTER=1 --json '"$OUT"'/shrinkab_$s.json; done'
+  --variant tickets:env.QERL_SHRINK_CLUSTER=0 --variant cluster:env.QERL_SHRINK_CLUSTER=1 --json '"$OUT"'/shrinkab_$s.json; done'
 stage learner 120 python3 benchmarks/learner.py --sizes 7b,32b --layers 16 --methods nvfp4,bf16 \
   --json "$OUT/learner.json"
 stage rlstep 300 bash -c 'python3 benchmarks/rl_step.py --deadline $DEADLINE --sizes 32b,72b --methods nvfp4 \

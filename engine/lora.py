@@ -177,7 +177,10 @@ class _Branch(torch.autograd.Function):
         r = a.shape[0]
         us = _halves_sum(_mm_f32(x2, ap[:2 * r].t()), 1) * scaling  # (T, r)
         left = _pairs(us, 1)  # (T, 3r)
-        if BRANCH_ADD == "addmm" and y.is_contiguous():  # into y itself: the base output is the branch's alone
+        # into y itself when y is a tensor of its own: the base output is the branch's alone. Not when
+        # y is a view (the GPU kernels' output reshaped): autograd forbids changing in place a view
+        # made inside another custom Function (the base's), so it gets a copy.
+        if BRANCH_ADD == "addmm" and y.is_contiguous() and y._base is None:
             y2.addmm_(left, bp.t())  # y2 is a view of y
             ctx.mark_dirty(y)
             out = y

@@ -114,7 +114,7 @@ class _Run:
                 self.rollout = None
         finally:
             if self._capped_device is not None:  # the next job in this process gets the whole device
-                torch.cuda.set_per_process_memory_fraction(1.0, self._capped_device)
+                torch.cuda.set_per_process_memory_fraction(1.0, self._capped_device.index)
                 torch.cuda.empty_cache()
                 self._capped_device = None
 
@@ -127,13 +127,14 @@ class _Run:
             self.reporter.event("warn", f"max_gpu_memory_gib={cap:g} does not apply on {device.type}: the job "
                                         "runs without a memory cap", {"max_gpu_memory_gib": cap, "applied": False})
             return
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         total = torch.cuda.get_device_properties(device).total_memory
         if cap * 2**30 > total:
             raise TrainError("invalid_spec", f"max_gpu_memory_gib={cap:g} is more than {device} has "
                                              f"({total / 2**30:.1f} GiB); lower max_gpu_memory_gib to at most the "
                                              "device's memory or leave it unset")
         torch.cuda.empty_cache()  # blocks cached by earlier work would let the job hold more than the cap
-        torch.cuda.set_per_process_memory_fraction(cap * 2**30 / total, device)
+        torch.cuda.set_per_process_memory_fraction(cap * 2**30 / total, device.index)  # wants an index
         self._capped_device, self.gpu_memory_cap_gib, self._gpu_total = device, cap, total
 
     def _rollout_spec(self) -> RolloutSpec:

@@ -245,13 +245,20 @@ def test_the_gpu_memory_cap_with_torch_cuda_faked(tiny_dir, tmp_path, monkeypatc
     from engine.types import OOM_ADVICE
 
     calls = []
+
+    def set_fraction(fraction, device):  # as torch's: a device index (torch.device("cuda") is refused)
+        if not isinstance(device, int):
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+        calls.append((fraction, device))
+
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=16 * 2**30))
-    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: calls.append((f, str(d))))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     real = _Run._cap_gpu_memory
 
     def on_a_fake_gpu(self):
-        self.device = torch.device("cuda", 0)
+        self.device = torch.device("cuda")  # as a job's device is: no index
         try:
             real(self)
         finally:
@@ -272,7 +279,7 @@ def test_the_gpu_memory_cap_with_torch_cuda_faked(tiny_dir, tmp_path, monkeypatc
         train(spec, workdir=tmp_path / "r1", reporter=rep, should_stop=lambda: False)
     assert err.value.code == "out_of_memory" and str(err.value) == (
         OOM_ADVICE + " This job was capped at 4 GiB by max_gpu_memory_gib; raise it if the GPU has room."), err.value
-    assert calls == ["empty_cache", (0.25, "cuda:0"), (1.0, "cuda:0"), "empty_cache"]
+    assert calls == ["empty_cache", (0.25, 0), (1.0, 0), "empty_cache"]
     (message, start), = [(m, d) for _, m, d in rep.events if m.startswith("Training")]
     assert start["max_gpu_memory_gib"] == 4 and "memory capped at 4 GiB (max_gpu_memory_gib)" in message
 

@@ -75,8 +75,8 @@ __global__ void lora_expand_kernel(const bf16* __restrict__ y, const bf16* __res
 // takes a ticket; the last block of an output adds the kb sums in block order, writes s and
 // resets the ticket (left zero for the next call). One launch, no zeroed output, the same result
 // on every run. A is read before the PDL wait (no kernel of a decode step writes it).
-// Launched in clusters of the kb blocks of an output (2 <= kb <= kMaxShrinkCluster, with
-// QERL_SHRINK_CLUSTER=1), the blocks instead store their sums into the first block's shared memory
+// Launched in clusters of the kb blocks of an output (2 <= kb <= kMaxShrinkCluster; the default,
+// QERL_SHRINK_CLUSTER=0 turns it off), the blocks instead store their sums into the first block's shared memory
 // (distributed shared memory) and meet at one cluster barrier; the first block adds them as the
 // ticket's last block does (lane p takes block p, then the same shuffle tree): the same bits, no
 // workspace round trip through L2, no atomic.
@@ -541,10 +541,12 @@ cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, void* strea
   return qerl::launch_pdl(kernel, grid, block, 0, stream, args...);
 }
 
-// QERL_SHRINK_CLUSTER=1 (read at every launch): the shrinks merge their K blocks in a cluster.
+// The shrinks merge their K blocks in a cluster unless QERL_SHRINK_CLUSTER=0 (read at every
+// launch; then through the workspace and tickets). Measured on the H200 (benchmarks/RESULTS.md):
+// 0.8-1.2 us a 7B layer faster, 0.9 at 32B batch 1 and 5.1 at 32B batch 8.
 bool shrink_cluster_enabled() {
   const char* v = getenv("QERL_SHRINK_CLUSTER");
-  return v != nullptr && strcmp(v, "1") == 0;
+  return v == nullptr || strcmp(v, "0") != 0;
 }
 
 // A shrink kernel of grid (., kb, .) and 1024 threads: in clusters of its kb K blocks where
