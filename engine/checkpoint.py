@@ -13,7 +13,8 @@ A checkpoint is one directory, ``<workdir>/checkpoints/step-000005/``:
 
 It is written into a hidden sibling directory, every file and the directory fsynced, then
 renamed into place, so a crash leaves the previous checkpoint or the new one, never half of
-one. Only the newest ``keep`` checkpoints stay on disk.
+one. Only the newest ``keep`` checkpoints stay on disk; ``keep_adapter`` keeps a checkpoint's
+``adapter/`` beyond that, as ``<workdir>/checkpoint-adapters/step-000005/`` (hard links).
 """
 from __future__ import annotations
 
@@ -124,6 +125,35 @@ def save_checkpoint(root: Path, step: int, *, adapter: dict[str, torch.Tensor], 
     _fsync_dir(root)
     prune(root, keep)
     return final
+
+
+def keep_adapter(checkpoint: Path, dest_root: Path) -> Path:
+    """Keep ``checkpoint``'s PEFT adapter after the checkpoint is pruned: its files hard-linked
+    (copied where links are not possible) into ``dest_root/<checkpoint name>/``, published by a
+    rename like a checkpoint. Returns that directory."""
+    src, dest_root = Path(checkpoint) / "adapter", Path(dest_root)
+    dest_root.mkdir(parents=True, exist_ok=True)
+    final = dest_root / Path(checkpoint).name
+    tmp = dest_root / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        shutil.copytree(src, tmp, copy_function=_link_or_copy)
+        _fsync_dir(tmp)
+        if final.exists():  # the same step kept again (a resumed run): the newer one wins
+            shutil.rmtree(final)
+        tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(dest_root)
+    return final
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def prune(root: Path, keep: int) -> None:

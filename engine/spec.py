@@ -209,6 +209,9 @@ class TrainSpec:
     micro_batch_size: int = 8  # sequences per forward/backward
     eval_interval: int = 0  # 0: only at start and end
     checkpoint_interval: int = 5
+    # keep every checkpoint's LoRA (PEFT adapter) after the checkpoint itself is pruned: in
+    # <workdir>/checkpoint-adapters/, and through the service as long as the job's adapter
+    keep_checkpoint_adapters: bool = False
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     gradient_checkpointing: bool = True

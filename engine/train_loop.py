@@ -429,6 +429,8 @@ class _Run:
                                     optimizer=self.optimizer.state_dict(), scheduler=self.scheduler.state_dict(),
                                     rng=boundary.rng, state=state, spec=_jsonable(self.spec), keep=2,
                                     extra=lambda d: self._write_adapter(d / "adapter", stopped=partial))
+        if self.spec.keep_checkpoint_adapters:
+            ckpt.keep_adapter(path, self.workdir / "checkpoint-adapters")
         self.reporter.checkpoint(self.step, path, dict(self.last_metrics))
         self.reporter.event("info", f"Checkpoint saved at step {self.step}", {"step": self.step, "path": str(path)})
         return path

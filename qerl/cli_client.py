@@ -229,6 +229,36 @@ def jobs_list(status: Annotated[Optional[str], typer.Option(help="only jobs in t
         out.print(f"[dim]more: qerl jobs list --after {page['data'][-1]['id']}[/]")
 
 
+@jobs_app.command("checkpoints")
+@_errors_as_messages
+def jobs_checkpoints(job_id: str,
+                     delete: Annotated[Optional[int], typer.Option(
+                         "--delete", metavar="STEP", help="delete the checkpoint of this step (and its kept LoRA)")] = None,
+                     base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJson = False) -> None:
+    """A job's checkpoints (oldest first): step, reward, and whether its LoRA is kept for good
+    (qerl.keep_checkpoint_adapters) or only while the checkpoint is on disk."""
+    with _client(base_url, api_key) as client:
+        if delete is not None:
+            c = _checkpoint_at(client, job_id, delete)
+            gone = client.delete_checkpoint(job_id, c["id"])
+            if as_json:
+                return _print_json(gone)
+            out.print(f"deleted checkpoint {c['id']} (step {delete}) of {job_id}")
+            return
+        ckpts = sorted(client.checkpoints(job_id), key=lambda c: c["step_number"])
+    if as_json:
+        return _print_json(ckpts)
+    table = Table("step", "id", "reward", "saved", "LoRA")
+    for c in ckpts:
+        reward = c["metrics"].get("reward_mean")
+        kept = (c.get("qerl") or {}).get("adapter_bytes")
+        table.add_row(str(c["step_number"]), c["id"], f"{reward:.4g}" if isinstance(reward, (int, float)) else "",
+                      _when(c["created_at"]), f"kept ({kept / 2**20:.1f} MiB)" if kept is not None else "while on disk")
+    out.print(table)
+    if ckpts:
+        out.print(f"[dim]download one: qerl adapters download {job_id} --checkpoint STEP[/]")
+
+
 @jobs_app.command("get")
 @_errors_as_messages
 def jobs_get(job_id: str, base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJson = False) -> None:
@@ -373,14 +403,18 @@ def _how_to_load(name: str, target: Path) -> None:
               f"vLLM: LoRARequest({name!r}, 1, {str(target)!r})", highlight=False)
 
 
+def _checkpoint_at(client: Client, job_id: str, step: int) -> dict[str, Any]:
+    found = [c for c in client.checkpoints(job_id) if c["step_number"] == step]
+    if not found:
+        raise QerlError(404, f"job {job_id} has no checkpoint at step {step} (qerl jobs checkpoints {job_id} "
+                             "lists them)")
+    return found[0]  # newest first: the latest attempt's
+
+
 def _download_checkpoint(client: Client, job_id: str, step: int, output: Path | None) -> None:
     if not job_id.startswith("ftjob-"):
         raise QerlError(422, f"--checkpoint needs a job id (ftjob-...), not {job_id!r}")
-    found = [c for c in client.checkpoints(job_id) if c["step_number"] == step]
-    if not found:
-        raise QerlError(404, f"job {job_id} has no checkpoint at step {step} (qerl jobs get {job_id}; the "
-                             "checkpoints endpoint lists them)")
-    c = found[0]
+    c = _checkpoint_at(client, job_id, step)
     target = output or Path(f"{job_id}-ckpt-step-{step}")
     with _progress() as progress:
         task = progress.add_task(c["id"], total=None)

@@ -123,8 +123,19 @@ class Client:
         pairs = {f"metadata[{k}]": v for k, v in (metadata or {}).items()}
         return self.get("/v1/fine_tuning/jobs", status=status, limit=limit, after=after, **pairs)
 
-    def checkpoints(self, job_id: str, limit: int = 100) -> list[dict[str, Any]]:
-        return self.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints", limit=limit)["data"]
+    def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
+        """Every checkpoint the job has recorded, newest first (all pages)."""
+        found: list[dict[str, Any]] = []
+        after = None
+        while True:
+            page = self.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints", limit=100, after=after)
+            found += page["data"]
+            if not page.get("has_more") or not page["data"]:
+                return found
+            after = page["data"][-1]["id"]
+
+    def delete_checkpoint(self, job_id: str, checkpoint_id: str) -> dict[str, Any]:
+        return self.delete(f"/v1/fine_tuning/jobs/{job_id}/checkpoints/{checkpoint_id}")
 
     def upload_file(self, path: Path, purpose: str = "fine-tune") -> dict[str, Any]:
         path = Path(path)

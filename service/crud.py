@@ -168,18 +168,35 @@ def get_adapter_by_name(session: Session, project: str, name: str, *, for_update
     return session.scalar(stmt.with_for_update() if for_update else stmt)
 
 
-def delete_adapter(session: Session, adapter: Adapter) -> None:
-    """Drop the adapter's row and say so on its job (whose ``adapter_id`` is cleared; the job keeps
-    its ``fine_tuned_model`` name, as OpenAI's jobs do). The caller commits, then deletes the
-    tarball: a crash in between leaves an orphan file, never a row without its file."""
+def delete_adapter(session: Session, adapter: Adapter) -> list[str]:
+    """Drop the adapter's row, release its job's kept checkpoint LoRAs (their rows stay, without an
+    archive) and say so on the job (whose ``adapter_id`` is cleared; the job keeps its
+    ``fine_tuned_model`` name, as OpenAI's jobs do). Returns the checkpoint archives' paths. The
+    caller commits, then deletes the files: a crash in between leaves orphan files, never a row
+    without its file."""
     from service.queue import add_event
 
     job = session.get(Job, adapter.job_id)
+    released: list[str] = []
     if job is not None:
         if job.adapter_id == adapter.id:
             job.adapter_id = None
-        add_event(session, job.id, job.attempt, f"The fine-tuned model {adapter.name} ({adapter.id}) was deleted")
+        for c in session.scalars(select(Checkpoint).where(Checkpoint.job_id == job.id,
+                                                          Checkpoint.adapter_path.is_not(None))):
+            released.append(c.adapter_path or "")
+            c.adapter_path = c.adapter_bytes = c.adapter_sha256 = None
+        add_event(session, job.id, job.attempt, f"The fine-tuned model {adapter.name} ({adapter.id}) was deleted"
+                  + (f", with the LoRAs of {len(released)} checkpoints" if released else ""))
     session.delete(adapter)
+    return released
+
+
+def delete_checkpoint(session: Session, job: Job, checkpoint: Checkpoint) -> None:
+    """Drop a checkpoint's row (the caller commits, then deletes its kept archive, if any)."""
+    from service.queue import add_event
+
+    add_event(session, job.id, job.attempt, f"Checkpoint {checkpoint.id} (step {checkpoint.step}) was deleted")
+    session.delete(checkpoint)
 
 
 def list_adapters(session: Session, project: str, *, after: str | None, limit: int) -> tuple[list[Adapter], bool]:

@@ -142,6 +142,11 @@ class Checkpoint(Base):
     path: Mapped[str] = mapped_column(Text)  # relative to ARTIFACT_DIR
     metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # The step's LoRA packed into the artifact store (qerl.keep_checkpoint_adapters): it outlives
+    # the checkpoint, until the checkpoint or the job's fine-tuned model is deleted.
+    adapter_path: Mapped[str | None] = mapped_column(Text, nullable=True)  # tar.gz, relative to ARTIFACT_DIR
+    adapter_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    adapter_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class Adapter(Base):

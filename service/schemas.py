@@ -127,6 +127,12 @@ class ModelDeleted(BaseModel):
     deleted: bool = True
 
 
+class CheckpointDeleted(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job.checkpoint"] = "fine_tuning.job.checkpoint"
+    deleted: bool = True
+
+
 class AdapterDeleted(BaseModel):
     id: str
     object: Literal["adapter"] = "adapter"
@@ -190,6 +196,14 @@ class FineTuningJobEvent(BaseModel):
     data: dict[str, Any] | None = None
 
 
+class CheckpointQerl(BaseModel):
+    """The checkpoint's LoRA archive where the job keeps them (qerl.keep_checkpoint_adapters): it
+    stays downloadable until the checkpoint or the fine-tuned model is deleted; null otherwise
+    (downloadable while the checkpoint is on disk)."""
+    adapter_bytes: int | None = None
+    adapter_sha256: str | None = None
+
+
 class FineTuningJobCheckpoint(BaseModel):
     id: str
     object: Literal["fine_tuning.job.checkpoint"] = "fine_tuning.job.checkpoint"
@@ -198,6 +212,7 @@ class FineTuningJobCheckpoint(BaseModel):
     fine_tuning_job_id: str
     metrics: dict[str, Any]
     step_number: int
+    qerl: CheckpointQerl = Field(default_factory=CheckpointQerl)
 
 
 class StepMetrics(BaseModel):

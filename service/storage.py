@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import secrets
+import shutil
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -59,6 +60,11 @@ class Staged:
 
     def discard(self) -> None:
         self.tmp.unlink(missing_ok=True)
+
+
+def checkpoint_adapters_dir(job_id: str) -> str:
+    """Where a job's kept checkpoint LoRAs lie (qerl.keep_checkpoint_adapters), relative to the store."""
+    return f"checkpoints/{job_id}"
 
 
 def iter_chunks(fh: BinaryIO, size: int = CHUNK) -> Iterator[bytes]:
@@ -154,6 +160,9 @@ class ArtifactStore:
 
     def delete(self, rel: str) -> None:
         self.abspath(rel).unlink(missing_ok=True)
+
+    def delete_tree(self, rel: str) -> None:
+        shutil.rmtree(self.abspath(rel), ignore_errors=True)
 
     def sweep_tmp(self, older_than_s: float = 3600.0) -> int:
         """Remove temporary files left by a crash; returns how many."""

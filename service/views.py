@@ -92,7 +92,8 @@ def checkpoint_view(c: m.Checkpoint, job: m.Job) -> s.FineTuningJobCheckpoint:
     name = f"{job.fine_tuned_model or fine_tuned_model_name(job)}:ckpt-step-{c.step}"
     return s.FineTuningJobCheckpoint(id=c.id, created_at=unix(c.created_at) or 0, fine_tuned_model_checkpoint=name,
                                      fine_tuning_job_id=job.id, metrics={"step": c.step, **(c.metrics or {})},
-                                     step_number=c.step)
+                                     step_number=c.step, qerl=s.CheckpointQerl(adapter_bytes=c.adapter_bytes,
+                                                                               adapter_sha256=c.adapter_sha256))
 
 
 def adapter_view(a: m.Adapter) -> s.Adapter:

@@ -27,7 +27,7 @@ def finish_job_with_adapter(db_sessions, settings, job_id: str, tmp_path: Path) 
     with db_sessions() as s:
         job = queue.claim(s, job_id, "test-worker", lease_seconds=60)
         adapter_id = new_id("adapter")
-        blob = pack_adapter(src, settings.artifact_dir, adapter_id)  # the worker's packer
+        blob = pack_adapter(src, settings.artifact_dir, f"{adapter_id}.tar.gz")  # the worker's packer
         adapter = Adapter(id=adapter_id, project=job.project, job_id=job_id, name=fine_tuned_model_name(job),
                           base_model=MODEL, path=blob.path, bytes=blob.bytes, sha256=blob.sha256,
                           manifest=blob.manifest)

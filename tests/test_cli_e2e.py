@@ -211,6 +211,78 @@ def test_adapters_delete_by_model_name_and_by_id(qerl_server: Served) -> None:
     assert again.returncode == 1 and "(404" in again.stderr and "Traceback" not in again.stderr
 
 
+def test_kept_checkpoint_loras_outlive_the_workdir_until_deleted(qerl_server: Served, tmp_path: Path) -> None:
+    """qerl.keep_checkpoint_adapters: every checkpoint's LoRA is packed into the artifact store when
+    it is saved, so all of them download after the engine pruned its checkpoints and after the
+    workdir is gone (what QERL_JOB_FILES_RETENTION_SECONDS does); deleting a checkpoint or the
+    fine-tuned model removes the archives, and the rows' qerl fields say what is kept."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    created = qerl_server.qerl("jobs", "create", "--model", "tiny", "--dataset", "products", "--dataset-size", "40",
+                               "--steps", "3", "--set", "qerl.data.eval_size=4", "--set", "qerl.device=cpu",
+                               "--set", "qerl.rollout.max_new_tokens=4", "--set", "qerl.prompts_per_step=1",
+                               "--set", "qerl.checkpoint_interval=1", "--set", "qerl.keep_checkpoint_adapters=true",
+                               "--json", "--watch")
+    assert created.returncode == 0, (created.stdout, created.stderr)
+    job_id = re.search(r"Job (ftjob-\w+) succeeded", created.stdout).group(1)
+    artifacts = qerl_server.data_dir / "data" / "artifacts"
+    workdir = artifacts / "jobs" / job_id
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["step-000002", "step-000003"]
+    assert sorted(p.name for p in (workdir / "checkpoint-adapters").iterdir()) == [
+        "step-000001", "step-000002", "step-000003"]  # the engine's own copies (hard links)
+    base = f"{qerl_server.url}/v1/fine_tuning/jobs/{job_id}/checkpoints"
+    listed = qerl_server.qerl("jobs", "checkpoints", job_id)
+    assert listed.returncode == 0 and listed.stdout.count("kept (") == 3, (listed.stdout, listed.stderr)
+    ckpts = {c["step_number"]: c for c in httpx.get(base, headers=qerl_server.headers).json()["data"]}
+    assert sorted(ckpts) == [1, 2, 3]
+    from_disk = httpx.get(f"{base}/{ckpts[3]['id']}/content", headers=qerl_server.headers)
+    engine_copies = {step: load_file(workdir / "checkpoint-adapters" / f"step-{step:06d}" / "adapter_model.safetensors")
+                     for step in ckpts}
+    shutil.rmtree(workdir)  # the retention's removal: the workdir's checkpoints are gone
+    for step, c in ckpts.items():
+        kept = c["qerl"]
+        assert kept["adapter_bytes"] > 0 and re.fullmatch(r"[0-9a-f]{64}", kept["adapter_sha256"]), c
+        r = httpx.get(f"{base}/{c['id']}/content", headers=qerl_server.headers)
+        assert r.status_code == 200 and r.headers["x-checksum-sha256"] == kept["adapter_sha256"]
+        assert hashlib.sha256(r.content).hexdigest() == kept["adapter_sha256"] and len(r.content) == kept["adapter_bytes"]
+        dl = qerl_server.qerl("adapters", "download", job_id, "--checkpoint", str(step), "-o", str(tmp_path / str(step)))
+        assert dl.returncode == 0 and "sha256 verified" in dl.stdout, (dl.stdout, dl.stderr)
+        got = load_file(tmp_path / str(step) / "adapter_model.safetensors")
+        assert got.keys() == engine_copies[step].keys()
+        assert all(torch.equal(got[k], engine_copies[step][k]) for k in got)  # that step's LoRA, bit for bit
+        assert json.loads((tmp_path / str(step) / "qerl_manifest.json").read_text())["steps"] == step
+    assert from_disk.content == httpx.get(f"{base}/{ckpts[3]['id']}/content", headers=qerl_server.headers).content
+
+    # deleting one checkpoint: its row and archive go, the others stay
+    gone = qerl_server.qerl("jobs", "checkpoints", job_id, "--delete", "1")
+    assert gone.returncode == 0 and f"deleted checkpoint {ckpts[1]['id']}" in gone.stdout, (gone.stdout, gone.stderr)
+    left = {c["step_number"] for c in httpx.get(base, headers=qerl_server.headers).json()["data"]}
+    assert left == {2, 3}
+    assert httpx.get(f"{base}/{ckpts[1]['id']}/content", headers=qerl_server.headers).status_code == 404
+    store = artifacts / "checkpoints" / job_id
+    assert sorted(p.name for p in store.iterdir()) == sorted(f"{ckpts[s]['id']}.tar.gz" for s in (2, 3))
+    again = httpx.delete(f"{base}/{ckpts[1]['id']}", headers=qerl_server.headers)
+    assert again.status_code == 404 and again.json()["error"]["param"] == "checkpoint_id"
+
+    # deleting the fine-tuned model takes its checkpoints' archives too; the rows stay, marked not kept
+    model = httpx.get(f"{qerl_server.url}/v1/fine_tuning/jobs/{job_id}", headers=qerl_server.headers).json()
+    assert httpx.delete(f"{qerl_server.url}/v1/models/{model['fine_tuned_model']}",
+                        headers=qerl_server.headers).status_code == 200
+    assert not store.exists()
+    rows = httpx.get(base, headers=qerl_server.headers).json()["data"]
+    assert {c["step_number"] for c in rows} == {2, 3}
+    assert all(c["qerl"] == {"adapter_bytes": None, "adapter_sha256": None} for c in rows)
+    r = httpx.get(f"{base}/{ckpts[2]['id']}/content", headers=qerl_server.headers)
+    assert r.status_code == 404 and "keep_checkpoint_adapters" in r.json()["error"]["message"]
+    events = [e["message"] for e in httpx.get(f"{qerl_server.url}/v1/fine_tuning/jobs/{job_id}/events",
+                                              params={"limit": 100}, headers=qerl_server.headers).json()["data"]]
+    assert any("with the LoRAs of 2 checkpoints" in m for m in events), events
+    assert any(f"Checkpoint {ckpts[1]['id']} (step 1) was deleted" in m for m in events), events
+
+
 def test_a_checkpoints_lora_downloads_as_a_peft_adapter_while_it_is_kept(qerl_server: Served, tmp_path: Path) -> None:
     import torch
     from safetensors.torch import load_file

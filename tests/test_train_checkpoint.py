@@ -69,6 +69,27 @@ def test_same_step_is_replaced_whole(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["step-000005"]
 
 
+def test_kept_adapters_outlive_pruning_and_a_step_kept_again_is_replaced(tmp_path):
+    def adapter(d, marker):
+        (d / "adapter").mkdir()
+        (d / "adapter" / "adapter_config.json").write_text(json.dumps({"marker": marker}))
+        (d / "adapter" / "adapter_model.safetensors").write_bytes(os.urandom(64))
+
+    gens, kept = {"g": torch.Generator().manual_seed(0)}, tmp_path / "checkpoint-adapters"
+    for step in (1, 2, 3):
+        path, _, _ = _save(tmp_path / "checkpoints", step, gens, extra=lambda d, s=step: adapter(d, s))
+        ckpt.keep_adapter(path, kept)
+    assert [p.name for p in sorted((tmp_path / "checkpoints").iterdir())] == ["step-000002", "step-000003"]
+    assert [p.name for p in sorted(kept.iterdir())] == ["step-000001", "step-000002", "step-000003"]
+    assert json.loads((kept / "step-000001" / "adapter_config.json").read_text()) == {"marker": 1}
+    live = tmp_path / "checkpoints" / "step-000003" / "adapter" / "adapter_model.safetensors"
+    assert os.path.samefile(live, kept / "step-000003" / "adapter_model.safetensors")  # a link, not a copy
+    path, _, _ = _save(tmp_path / "checkpoints", 3, gens, extra=lambda d: adapter(d, "again"))  # a resumed run
+    ckpt.keep_adapter(path, kept)
+    assert json.loads((kept / "step-000003" / "adapter_config.json").read_text()) == {"marker": "again"}
+    assert [p.name for p in sorted(kept.iterdir())] == ["step-000001", "step-000002", "step-000003"]
+
+
 def test_incomplete_checkpoint_is_refused(tmp_path):
     gens = {"g": torch.Generator().manual_seed(0)}
     path, _, _ = _save(tmp_path, 5, gens)

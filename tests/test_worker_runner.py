@@ -196,6 +196,41 @@ def test_a_reaped_run_writes_nothing_more(ctx, sessions):
     wait_for_status(sessions, job.id, "cancelled", timeout=1)
 
 
+def test_a_kept_checkpoint_lora_is_archived_with_its_row_or_not_at_all(ctx, sessions, tmp_path):
+    """keep_checkpoint_adapters: the reporter archives the step's LoRA, then records it with the row;
+    a fenced-out attempt (reaped and re-claimed) records nothing and leaves no archive behind."""
+    from worker.reporter import DBReporter
+
+    with sessions() as s:
+        job = make_job(s, tiny_spec("tiny"))
+        queue.claim(s, job.id, "test-worker", lease_seconds=600)
+    artifacts = ctx.settings.artifact_dir
+    reporter = DBReporter(sessions, job.id, 1, artifact_dir=artifacts, total_steps=3, retry=lambda fn, what: fn(),
+                          keep_checkpoint_adapters=True)
+    ckpt = artifacts / "jobs" / job.id / "checkpoints" / "step-000001"
+    (ckpt / "adapter").mkdir(parents=True)
+    for name in ("adapter_config.json", "qerl_manifest.json"):
+        (ckpt / "adapter" / name).write_text('{"step": 1}')
+    reporter.checkpoint(1, ckpt, {"reward_mean": 0.5})
+    with sessions() as s:
+        row = s.execute(select(Checkpoint).where(Checkpoint.job_id == job.id)).scalar_one()
+        assert row.adapter_path == f"checkpoints/{job.id}/{row.id}.tar.gz" and row.metrics == {"reward_mean": 0.5}
+        archive = artifacts / row.adapter_path
+        assert hashlib.sha256(archive.read_bytes()).hexdigest() == row.adapter_sha256
+        assert archive.stat().st_size == row.adapter_bytes
+        with tarfile.open(archive) as tar:
+            assert sorted(tar.getnames()) == ["adapter_config.json", "qerl_manifest.json"]
+        s.execute(update(Job).where(Job.id == job.id).values(lease_expires_at=utcnow() - timedelta(seconds=1)))
+        assert queue.reap(s) == [job.id]
+        assert queue.claim(s, job.id, "other-worker", lease_seconds=600).attempt == 2
+    with pytest.raises(queue.LeaseLost):
+        reporter.checkpoint(2, ckpt, {})
+    assert [p.name for p in (artifacts / "checkpoints" / job.id).iterdir()] == [archive.name]
+    with sessions() as s:
+        assert len(s.execute(select(Checkpoint).where(Checkpoint.job_id == job.id)).scalars().all()) == 1
+        queue.finish(s, job.id, 2, "cancelled")
+
+
 def test_a_checkpoint_the_dead_worker_never_reported_is_still_used(ctx, sessions):
     with sessions() as s:
         job = make_job(s, tiny_spec("tiny", steps=6, checkpoint_interval=2))

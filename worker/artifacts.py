@@ -1,9 +1,10 @@
 """Where a job's files live in the artifact store, and the adapter tarball.
 
-Layout under ARTIFACT_DIR: ``jobs/<job_id>/`` (the engine's workdir: checkpoints/, adapter/)
-and ``adapters/<adapter_id>.tar.gz`` (what ``GET /v1/adapters/{id}/content`` serves). A workdir
-outlives its job by ``QERL_JOB_FILES_RETENTION_SECONDS`` (``remove_finished_workdirs``, run by
-every worker's maintenance pass); the tarball stays.
+Layout under ARTIFACT_DIR: ``jobs/<job_id>/`` (the engine's workdir: checkpoints/, adapter/),
+``adapters/<adapter_id>.tar.gz`` (what ``GET /v1/adapters/{id}/content`` serves) and, for jobs
+with ``keep_checkpoint_adapters``, ``checkpoints/<job_id>/<checkpoint_id>.tar.gz`` (each
+checkpoint's LoRA). A workdir outlives its job by ``QERL_JOB_FILES_RETENTION_SECONDS``
+(``remove_finished_workdirs``, run by every worker's maintenance pass); the tarballs stay.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from service.models import Job, utcnow
 from service.queue import TERMINAL
-from service.storage import ArtifactStore
+from service.storage import ArtifactStore, checkpoint_adapters_dir
 
 log = logging.getLogger(__name__)
 REMOVING = ".removing"  # suffix of a workdir being deleted (a dot name: never a job id)
@@ -76,16 +77,23 @@ class PackedAdapter:
     manifest: dict[str, Any]
 
 
-def pack_adapter(adapter_dir: Path, artifact_dir: Path, adapter_id: str) -> PackedAdapter:
-    """tar.gz the PEFT directory (files at the archive root) under a temp name, then rename,
-    so a reader never sees half an archive."""
+def pack_adapter(adapter_dir: Path, artifact_dir: Path, name: str, *, folder: str = "adapters") -> PackedAdapter:
+    """tar.gz the PEFT directory (files at the archive root) under a temp name, then rename to
+    ``folder/name`` (``adapters/<adapter_id>.tar.gz``), so a reader never sees half an archive."""
     adapter_dir = Path(adapter_dir)
     missing = [f for f in REQUIRED_ADAPTER_FILES if not (adapter_dir / f).is_file()]
     if missing:
         raise RuntimeError(f"the engine's adapter directory {adapter_dir.name}/ lacks {', '.join(missing)}")
     manifest = json.loads((adapter_dir / "qerl_manifest.json").read_text())
-    blob = ArtifactStore(artifact_dir).pack(adapter_dir).publish(f"adapters/{adapter_id}.tar.gz")
+    blob = ArtifactStore(artifact_dir).pack(adapter_dir).publish(f"{folder}/{name}")
     return PackedAdapter(path=blob.path, bytes=blob.bytes, sha256=blob.sha256, manifest=manifest)
+
+
+def pack_checkpoint_adapter(adapter_dir: Path, artifact_dir: Path, job_id: str, checkpoint_id: str) -> PackedAdapter:
+    """A checkpoint's PEFT directory as ``checkpoints/<job_id>/<checkpoint_id>.tar.gz`` (the same
+    archive as a checkpoint download packed from the workdir: the same bytes, the same sha256)."""
+    return pack_adapter(adapter_dir, artifact_dir, f"{checkpoint_id}.tar.gz",
+                        folder=checkpoint_adapters_dir(job_id))
 
 
 def cleanup(session: Session, settings: Any) -> None:

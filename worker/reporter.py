@@ -19,7 +19,8 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from service import queue
-from service.models import Checkpoint, Job, JobMetric, utcnow
+from service.models import Checkpoint, Job, JobMetric, new_id, utcnow
+from worker.artifacts import pack_checkpoint_adapter
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +50,11 @@ def step_message(step: int, total: int, values: dict[str, float | None]) -> str:
 class DBReporter:
     def __init__(self, sessions: Callable[[], Session], job_id: str, attempt: int, *, artifact_dir: Path,
                  total_steps: int, retry: Callable[[Callable[[], None], str], None],
-                 on_status: Callable[[str], None] = lambda status: None) -> None:
+                 on_status: Callable[[str], None] = lambda status: None,
+                 keep_checkpoint_adapters: bool = False) -> None:
         self.sessions, self.job_id, self.attempt = sessions, job_id, attempt
         self.artifact_dir, self.total_steps, self.on_status = Path(artifact_dir), total_steps, on_status
-        self.retry = retry
+        self.retry, self.keep_checkpoint_adapters = retry, keep_checkpoint_adapters
 
     # -- the Reporter protocol --------------------------------------------------------------
     def event(self, level: str, message: str, data: dict[str, Any] | None = None) -> None:
@@ -88,12 +90,22 @@ class DBReporter:
         except ValueError:  # outside the artifact store: keep it absolute rather than lose it
             rel = str(path)
         vals = clean_values(metrics or {})
+        row_id, kept = new_id("ftckpt"), None
+        if self.keep_checkpoint_adapters:  # packed before the row names it; an orphan at worst
+            kept = pack_checkpoint_adapter(path / "adapter", self.artifact_dir, self.job_id, row_id)
 
         def write(s: Session) -> None:
-            s.add(Checkpoint(job_id=self.job_id, attempt=self.attempt, step=step, path=rel, metrics=vals,
-                             created_at=utcnow()))
+            s.add(Checkpoint(id=row_id, job_id=self.job_id, attempt=self.attempt, step=step, path=rel, metrics=vals,
+                             created_at=utcnow(), adapter_path=kept.path if kept else None,
+                             adapter_bytes=kept.bytes if kept else None,
+                             adapter_sha256=kept.sha256 if kept else None))
 
-        self._write(write, f"recording the checkpoint of step {step}")
+        try:
+            self._write(write, f"recording the checkpoint of step {step}")
+        except BaseException:
+            if kept is not None:
+                (self.artifact_dir / kept.path).unlink(missing_ok=True)
+            raise
 
     # -- plumbing ---------------------------------------------------------------------------
     def _write(self, fn: Callable[[Session], None], what: str) -> None:

@@ -73,7 +73,8 @@ def execute(ctx: WorkerContext, job: Job) -> str:
         try:
             spec, resume_from = keeper.retry(lambda: _prepare(ctx, job, artifact_dir), "reading the job's files")
             reporter = DBReporter(ctx.sessions, job.id, job.attempt, artifact_dir=artifact_dir, total_steps=spec.steps,
-                                  retry=keeper.retry, on_status=keeper.saw)
+                                  retry=keeper.retry, on_status=keeper.saw,
+                                  keep_checkpoint_adapters=spec.keep_checkpoint_adapters)
             result = engine.train(spec, workdir=job_workdir(artifact_dir, job.id), reporter=reporter,
                                   should_stop=should_stop, resume_from=resume_from)
         except queue.LeaseLost:
@@ -141,7 +142,8 @@ def _classify(exc: BaseException, job_id: str, artifact_dir: Path) -> tuple[str,
         where = getattr(exc, "filename", None) or artifact_dir
         return "disk_full", (f"No space left on device while writing {where}. Free space on the filesystem that "
                              f"holds ARTIFACT_DIR ({artifact_dir}): delete adapters no longer needed (DELETE "
-                             "/v1/models/ft:..., or `qerl adapters delete`), and a lower "
+                             "/v1/models/ft:..., or `qerl adapters delete`) and kept checkpoint LoRAs (`qerl jobs "
+                             "checkpoints JOB --delete STEP`), and a lower "
                              "QERL_JOB_FILES_RETENTION_SECONDS removes finished jobs' checkpoints sooner. Then create "
                              "the job again.")
     log.exception("job %s: internal error", job_id)
@@ -178,7 +180,7 @@ def _requeue(ctx: WorkerContext, keeper: LeaseKeeper, job: Job, reason: str) -> 
 def _succeed(ctx: WorkerContext, keeper: LeaseKeeper, job: Job, adapter_dir: Path, artifact_dir: Path) -> str:
     adapter_id = new_id("adapter")
     try:
-        packed = pack_adapter(adapter_dir, artifact_dir, adapter_id)
+        packed = pack_adapter(adapter_dir, artifact_dir, f"{adapter_id}.tar.gz")
     except Exception as exc:  # noqa: BLE001
         code, message = _classify(exc, job.id, artifact_dir)
         return _end(ctx, keeper, job, "failed", error_code=code, error_message=message)

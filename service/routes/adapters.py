@@ -11,7 +11,7 @@ from service.deps import ReleasingRoute, SessionDep, StoreDep
 from service.errors import not_found
 from service.models import Adapter as AdapterRow
 from service.schemas import Adapter, AdapterDeleted, ListPage
-from service.storage import ArtifactStore, verified_artifact
+from service.storage import ArtifactStore, checkpoint_adapters_dir, verified_artifact
 from service.views import adapter_view
 
 router = APIRouter(prefix="/adapters", tags=["adapters"], route_class=ReleasingRoute)
@@ -67,8 +67,12 @@ def delete_adapter(adapter_id: str, key: CurrentKey, session: SessionDep, store:
 
 
 def remove_adapter(session: Session, store: ArtifactStore, adapter: AdapterRow) -> None:
-    """Row first (committed), then the archive: a crash in between leaves an orphan file only."""
-    path = adapter.path
-    crud.delete_adapter(session, adapter)
+    """Row first (committed), then the archives (the adapter's and its job's kept checkpoint LoRAs):
+    a crash in between leaves orphan files only."""
+    path, job_id = adapter.path, adapter.job_id
+    released = crud.delete_adapter(session, adapter)
     session.commit()
     store.delete(path)
+    for rel in released:
+        store.delete(rel)
+    store.delete_tree(checkpoint_adapters_dir(job_id))  # and any archive a crash left unrecorded

@@ -1,5 +1,5 @@
 """A job's events (JSON list, newest first, or a live SSE stream), metrics and checkpoints (each
-downloadable as a PEFT adapter while it is kept on disk).
+downloadable as a PEFT adapter while it is kept on disk, or for good with keep_checkpoint_adapters).
 
 JSON: OpenAI's shape; ``after`` is the id of the last (oldest) event of the previous page, so the
 SDK's auto-pagination walks back in time. SSE (``Accept: text/event-stream``): oldest first from
@@ -19,10 +19,11 @@ from sqlalchemy.orm import Session
 
 from service import crud
 from service.auth import CurrentKey
-from service.deps import ReadSessionDep, ReleasingRoute, SettingsDep, StoreDep, json_response
+from service.deps import ReadSessionDep, ReleasingRoute, SessionDep, SettingsDep, StoreDep, json_response
 from service.errors import APIError, not_found
 from service.models import Checkpoint, Job
-from service.schemas import FineTuningJobCheckpoint, FineTuningJobEvent, ListPage, StepMetrics
+from service.schemas import CheckpointDeleted, FineTuningJobCheckpoint, FineTuningJobEvent, ListPage, StepMetrics
+from service.storage import verified_artifact
 from service.views import TERMINAL, checkpoint_view, event_view, parse_event_id, unix
 
 router = APIRouter(prefix="/fine_tuning/jobs/{job_id}", tags=["fine-tuning"], route_class=ReleasingRoute)
@@ -102,15 +103,21 @@ def list_checkpoints(job_id: str, key: CurrentKey, session: ReadSessionDep, afte
             responses={200: {"content": {"application/gzip": {}}}})
 def checkpoint_content(job_id: str, checkpoint_id: str, key: CurrentKey, session: ReadSessionDep,
                        store: StoreDep) -> FileResponse:
-    """The LoRA at that checkpoint's step as a PEFT adapter (tar.gz, like GET /v1/adapters/{id}/content),
-    while the checkpoint is on disk: the newest 2 while the job runs or is paused, all of them for
-    QERL_JOB_FILES_RETENTION_SECONDS after it ends."""
+    """The LoRA at that checkpoint's step as a PEFT adapter (tar.gz, like GET /v1/adapters/{id}/content):
+    from the artifact store where the job keeps its checkpoints' adapters (qerl.keep_checkpoint_adapters),
+    else while the checkpoint is on disk: the newest 2 while the job runs or is paused, all of them for
+    QERL_JOB_FILES_RETENTION_SECONDS after it ends. The same step's archive has the same bytes either way."""
     job = _job(session, key.project, job_id)
-    c = session.get(Checkpoint, checkpoint_id)
-    if c is None or c.job_id != job.id:
-        raise not_found("checkpoint", checkpoint_id, "checkpoint_id")
+    c = _checkpoint(session, job, checkpoint_id)
+    name = f"{job.id}-ckpt-step-{c.step}.tar.gz"
+    if c.adapter_path and c.adapter_sha256:
+        path = verified_artifact(store, c.adapter_path, c.adapter_sha256,
+                                 f"the LoRA archive of checkpoint {checkpoint_id}")
+        return FileResponse(path, media_type="application/gzip", filename=name,
+                            headers={"X-Checksum-Sha256": c.adapter_sha256, "ETag": f'"{c.adapter_sha256}"'})
     gone = APIError(404, f"Checkpoint {checkpoint_id} (step {c.step}) is no longer on disk: a job keeps its newest 2 "
-                         "checkpoints while it runs, and those for QERL_JOB_FILES_RETENTION_SECONDS after it ends. "
+                         "checkpoints while it runs, and those for QERL_JOB_FILES_RETENTION_SECONDS after it ends; "
+                         "create jobs with qerl.keep_checkpoint_adapters=true to keep every checkpoint's LoRA. "
                          "The job's final adapter stays (GET /v1/adapters).", code="checkpoint_not_kept",
                     param="checkpoint_id")
     try:
@@ -123,6 +130,28 @@ def checkpoint_content(job_id: str, checkpoint_id: str, key: CurrentKey, session
         staged = store.pack(src)
     except FileNotFoundError:  # pruned while it was being packed
         raise gone from None
-    return FileResponse(staged.tmp, media_type="application/gzip", filename=f"{job.id}-ckpt-step-{c.step}.tar.gz",
+    return FileResponse(staged.tmp, media_type="application/gzip", filename=name,
                         headers={"X-Checksum-Sha256": staged.sha256, "ETag": f'"{staged.sha256}"'},
                         background=BackgroundTask(staged.discard))
+
+
+@router.delete("/checkpoints/{checkpoint_id}", response_model=CheckpointDeleted)
+def delete_checkpoint(job_id: str, checkpoint_id: str, key: CurrentKey, session: SessionDep,
+                      store: StoreDep) -> CheckpointDeleted:
+    """The checkpoint leaves the list and its kept LoRA archive goes (row first, then the file).
+    The engine's own checkpoint files, which a paused or interrupted job resumes from, stay."""
+    job = _job(session, key.project, job_id)
+    c = _checkpoint(session, job, checkpoint_id, for_update=True)
+    path = c.adapter_path
+    crud.delete_checkpoint(session, job, c)
+    session.commit()
+    if path:
+        store.delete(path)
+    return CheckpointDeleted(id=checkpoint_id)
+
+
+def _checkpoint(session: Session, job: Job, checkpoint_id: str, *, for_update: bool = False) -> Checkpoint:
+    c = session.get(Checkpoint, checkpoint_id, with_for_update=for_update)
+    if c is None or c.job_id != job.id:
+        raise not_found("checkpoint", checkpoint_id, "checkpoint_id")
+    return c

@@ -333,10 +333,11 @@
     async function loadCheckpoints() {
       const page = await getJSON(`/v1/fine_tuning/jobs/${jobId}/checkpoints?limit=100`, { signal: abort.signal });
       const rows = page.data.slice().sort((a, b) => a.step_number - b.step_number).map((c) => {
-        const status = el('span', { class: 'muted' });
+        const kept = (c.qerl && c.qerl.adapter_sha256) || null; // kept for good (keep_checkpoint_adapters)
+        const status = el('span', { class: 'muted' }, kept ? 'kept' : '');
         const get = el('button', { type: 'button', class: 'ckpt-download', onclick: () => download(
           `/v1/fine_tuning/jobs/${jobId}/checkpoints/${c.id}/content`, `${jobId}-ckpt-step-${c.step_number}.tar.gz`,
-          null, status) }, 'download');
+          kept, status) }, 'download');
         return el('tr', { 'data-step': c.step_number },
           el('td', {}, c.step_number), el('td', { class: 'wrap' }, c.fine_tuned_model_checkpoint),
           el('td', {}, fmt(num(c.metrics.reward_mean))), el('td', {}, when(c.created_at)), el('td', {}, get, ' ', status));
