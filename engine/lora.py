@@ -317,14 +317,18 @@ def save_peft_adapter(model: nn.Module, out_dir: str | Path, *, base_model_name_
     return out
 
 
+def peft_lora_spec(adapter_dir: str | Path) -> LoraSpec:
+    """The LoraSpec of a PEFT LoRA directory's adapter_config.json."""
+    cfg = json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text())
+    targets = cfg["target_modules"]
+    return LoraSpec(r=cfg["r"], alpha=cfg["lora_alpha"], dropout=cfg.get("lora_dropout", 0.0),
+                    target_modules=sorted(targets) if isinstance(targets, (list, set)) else [targets],
+                    use_rslora=bool(cfg.get("use_rslora", False)))
+
+
 def load_peft_adapter(model: nn.Module, adapter_dir: str | Path) -> None:
     """Attach (if needed) and load a PEFT LoRA directory written by save_peft_adapter."""
     d = Path(adapter_dir)
-    cfg = json.loads((d / ADAPTER_CONFIG).read_text())
     if not lora_modules(model):
-        targets = cfg["target_modules"]
-        spec = LoraSpec(r=cfg["r"], alpha=cfg["lora_alpha"], dropout=cfg.get("lora_dropout", 0.0),
-                        target_modules=sorted(targets) if isinstance(targets, (list, set)) else [targets],
-                        use_rslora=bool(cfg.get("use_rslora", False)))
-        apply_lora(model, spec)
+        apply_lora(model, peft_lora_spec(d))
     load_adapter_state_dict(model, load_file(str(d / ADAPTER_WEIGHTS)))

@@ -212,6 +212,9 @@ class TrainSpec:
     # keep every checkpoint's LoRA (PEFT adapter) after the checkpoint itself is pruned: in
     # <workdir>/checkpoint-adapters/, and through the service as long as the job's adapter
     keep_checkpoint_adapters: bool = False
+    # a PEFT LoRA directory to start from (a fine-tuned model trained further): its rank, alpha,
+    # target modules and rsLoRA must equal lora's; None: a fresh LoRA (B = 0)
+    init_adapter: str | None = None
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     gradient_checkpointing: bool = True

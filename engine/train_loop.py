@@ -192,6 +192,8 @@ class _Run:
                                                     source_dtype=torch.bfloat16)
         except (ValueError, FileNotFoundError) as exc:
             raise TrainError("unknown_model", str(exc)) from None
+        if spec.init_adapter is not None:
+            self._load_init_adapter(Path(spec.init_adapter))
         self.model_dir = getattr(self.model, "model_dir", None) or _model_dir(spec.model)
         if hasattr(self.model, "gradient_checkpointing"):
             self.model.gradient_checkpointing = bool(spec.gradient_checkpointing)
@@ -214,6 +216,26 @@ class _Run:
         }
         self.rollout = make_rollout_backend(r, self.model, self.tokenizer, workdir=self.workdir / "rollout",
                                             max_model_len=spec.data.max_prompt_tokens + r.max_new_tokens)
+
+    def _load_init_adapter(self, path: Path) -> None:
+        """The LoRA to start from (a resumed run then loads its checkpoint's over it)."""
+        from engine.lora import load_peft_adapter, peft_lora_spec
+
+        try:
+            theirs = peft_lora_spec(path)
+        except (FileNotFoundError, KeyError, ValueError) as exc:
+            raise TrainError("invalid_spec", f"init_adapter {path} is not a PEFT LoRA directory: {exc}") from None
+        ours = self.spec.lora
+        for name in ("r", "alpha", "target_modules", "use_rslora"):
+            a, b = getattr(theirs, name), getattr(ours, name)
+            if (sorted(a) != sorted(b)) if name == "target_modules" else a != b:
+                raise TrainError("invalid_spec", f"init_adapter was trained with lora.{name}={a!r}, this job asks "
+                                                 f"for {b!r}; set lora.{name} to {a!r} (or leave lora unset)")
+        try:
+            load_peft_adapter(self.model, path)
+        except (FileNotFoundError, ValueError) as exc:
+            raise TrainError("invalid_spec", f"init_adapter {path} does not fit {self.spec.model}: {exc}") from None
+        self.reporter.event("info", f"Starting from the LoRA in {path.name}/ (r={ours.r})", {"init_adapter": str(path)})
 
     def _restore(self, path: Path) -> None:
         from engine.lora import load_adapter_state_dict

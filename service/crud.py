@@ -73,6 +73,13 @@ def active_jobs_using(session: Session, project: str, file_id: str) -> list[str]
     return list(session.scalars(stmt))
 
 
+def active_jobs_training_further(session: Session, adapter: Adapter) -> list[str]:
+    """Unfinished jobs that train ``adapter``'s fine-tuned model further (its archive is their start)."""
+    stmt = select(Job.id, Job.spec).where(Job.project == adapter.project, Job.status.in_(ACTIVE),
+                                          Job.model == adapter.name)
+    return [job_id for job_id, spec in session.execute(stmt) if (spec or {}).get("init_adapter") == adapter.path]
+
+
 def mark_file_deleted(session: Session, file: File) -> None:
     file.deleted_at = utcnow()
 

@@ -7,7 +7,8 @@ artifact store; the worker's runner makes them absolute); ``qerl.dataset`` -> da
 ``learning_rate_multiplier`` -> optim.lr = 1e-5 x m, ``n_epochs`` -> steps = ceil(epochs x rows /
 batch) x rl.mu, ``eval_interval`` -> eval_interval, ``eval_samples`` -> data.eval_size,
 ``compute_multiplier`` -> rollout.num_generations = round(4 x m). ``qerl`` takes TrainSpec's own
-fields, plus the shortcuts ``algorithm`` (rl.algorithm) and ``dataset`` (data.dataset).
+fields, plus the shortcuts ``algorithm`` (rl.algorithm) and ``dataset`` (data.dataset). A
+fine-tuned ``model`` (``ft:...``) is trained further: its base, LoRA shape and weights (init_adapter).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from engine.rewards import Grader, build_grader
 from engine.spec import TrainSpec
 from engine.types import TrainError
 from service.errors import APIError
-from service.models import File
+from service.models import Adapter, File
 from service.schemas import JobCreate
 from service.views import DEFAULT_LR
 
@@ -111,12 +112,49 @@ def _hyper(body: JobCreate, d: dict[str, Any], qerl: dict[str, Any], rows: int |
     return came_from
 
 
-def build_spec(body: JobCreate, lookup_file: Callable[[str], File | None]) -> tuple[str, dict[str, Any]]:
-    """(canonical model name, TrainSpec dict) or APIError 422 naming the param and the fix."""
+LORA_SHAPE = ("r", "alpha", "target_modules", "use_rslora")  # what a LoRA trained further keeps
+
+
+def _parent(model: str, lookup_adapter: Callable[[str], Adapter | None]) -> Adapter:
+    """The fine-tuned model (an adapter of this project) a job trains further."""
+    adapter = lookup_adapter(model)
+    if adapter is None:
+        hint = (" (a checkpoint's name cannot be trained further: download it, or train the job's final model)"
+                if ":ckpt-step-" in model else "")
+        raise _invalid("model", f"no fine-tuned model {model!r} in this project{hint}; GET /v1/models lists them",
+                       code="model_not_found")
+    return adapter
+
+
+def _inherit_lora(d: dict[str, Any], adapter: Adapter) -> None:
+    """The parent's LoRA shape, unless the request gives the same; dropout may change."""
+    theirs = (adapter.manifest or {}).get("lora") or {}
+    ours = d.setdefault("lora", {})
+    for name in LORA_SHAPE:
+        if name not in theirs:
+            continue
+        if name in ours:
+            a, b = ours[name], theirs[name]
+            same = sorted(a) == sorted(b) if name == "target_modules" and isinstance(a, list) else a == b
+            if not same:
+                raise _invalid(f"qerl.lora.{name}", f"qerl.lora.{name}={a!r}, but {adapter.name} was trained with "
+                                                    f"{b!r}: a model trained further keeps its LoRA's shape; set "
+                                                    f"qerl.lora.{name} to {b!r} or leave it out")
+        ours[name] = theirs[name]
+
+
+def build_spec(body: JobCreate, lookup_file: Callable[[str], File | None],
+               lookup_adapter: Callable[[str], Adapter | None] = lambda name: None) -> tuple[str, dict[str, Any]]:
+    """(the job's model name, TrainSpec dict) or APIError 422 naming the param and the fix. A
+    fine-tuned model (``ft:...``, ``lookup_adapter``) is trained further: its base model, its LoRA
+    as ``init_adapter`` (the archive's path in the artifact store) and its LoRA shape."""
+    parent = _parent(body.model, lookup_adapter) if body.model.startswith("ft:") else None
     try:
-        entry = registry.resolve(body.model)
+        entry = registry.resolve(parent.base_model if parent is not None else body.model)
     except ValueError as exc:
-        raise _invalid("model", str(exc), code="model_not_found") from None
+        raise _invalid("model", str(exc) if parent is None else f"{body.model} was trained on {parent.base_model!r}, "
+                                                               f"which this deployment no longer serves: {exc}",
+                       code="model_not_found") from None
     if body.method is not None and body.method.type != "reinforcement":
         raise _invalid("method.type", f"this service trains with reinforcement learning only; set method.type to "
                                       f"'reinforcement' (got {body.method.type!r})")
@@ -130,6 +168,12 @@ def build_spec(body: JobCreate, lookup_file: Callable[[str], File | None]) -> tu
     for key in RECORDS:
         if not isinstance(d.get(key, {}), dict):
             raise _invalid(f"qerl.{key}", f"qerl.{key} must be an object, e.g. {{\"{key}\": {{...}}}}")
+    if "init_adapter" in d:
+        raise _invalid("qerl.init_adapter", "qerl.init_adapter is not accepted; to train a fine-tuned model further, "
+                                            "set 'model' to its name (ft:...)")
+    if parent is not None:
+        _inherit_lora(d, parent)
+        d["init_adapter"] = parent.path
     data = d.setdefault("data", {})
     for forbidden, use in (("train_file", "training_file"), ("validation_file", "validation_file")):
         if forbidden in data:
@@ -186,4 +230,4 @@ def build_spec(body: JobCreate, lookup_file: Callable[[str], File | None]) -> tu
             check_dataset(spec.data.dataset)  # the task's name and config: reasoning-gym builds one item
         except TrainError as exc:
             raise _invalid("qerl.dataset", str(exc)) from None
-    return entry.name, spec.to_dict()
+    return (parent.name if parent is not None else entry.name), spec.to_dict()

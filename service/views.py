@@ -101,6 +101,12 @@ def adapter_view(a: m.Adapter) -> s.Adapter:
                      job_id=a.job_id, bytes=a.bytes, sha256=a.sha256, manifest=a.manifest)
 
 
+def base_model_of(job: m.Job) -> str:
+    """The base model a job trains on: its model, or the base of the fine-tuned model it trains further."""
+    return (job.spec or {}).get("model") or job.model if job.model.startswith("ft:") else job.model
+
+
 def fine_tuned_model_name(job: m.Job) -> str:
-    """OpenAI's pattern ``ft:<base>:<org>:<suffix>:<id>``; the worker names adapters with it."""
-    return f"ft:{job.model}:{job.project}:{job.suffix or ''}:{job.id.removeprefix('ftjob-')}"
+    """OpenAI's pattern ``ft:<base>:<org>:<suffix>:<id>`` (the base model, also for a model trained
+    further); the worker names adapters with it."""
+    return f"ft:{base_model_of(job)}:{job.project}:{job.suffix or ''}:{job.id.removeprefix('ftjob-')}"

@@ -104,8 +104,8 @@ def tiny_spec(model_dir: Path | str, **over: Any) -> dict[str, Any]:
 
 def make_job(session: Session, spec: dict[str, Any], *, status: str = "queued", project: str = "proj-test",
              **fields: Any) -> Job:
-    job = Job(project=project, model=spec.get("model", "tiny"), status=status, request={"model": spec.get("model")},
-              spec=spec, **fields)
+    fields.setdefault("model", spec.get("model", "tiny"))
+    job = Job(project=project, status=status, request={"model": fields["model"]}, spec=spec, **fields)
     session.add(job)
     session.commit()
     return job

@@ -211,6 +211,62 @@ def test_adapters_delete_by_model_name_and_by_id(qerl_server: Served) -> None:
     assert again.returncode == 1 and "(404" in again.stderr and "Traceback" not in again.stderr
 
 
+def test_a_fine_tuned_model_trains_further_from_its_lora(cli_job: CliJob, qerl_server: Served, tmp_path: Path) -> None:
+    """model = ft:...: the job trains the parent's base with the parent's LoRA (shape inherited, weights
+    unpacked bit for bit as its start), names its own model after the base; the parent cannot be
+    deleted while such a job is unfinished; what cannot work is refused up front."""
+    import torch
+    from safetensors.torch import load_file
+
+    parent = cli_job.job["fine_tuned_model"]
+    api, h = qerl_server.url, qerl_server.headers
+    common = ("--dataset", "products", "--dataset-size", "40", "--set", "qerl.device=cpu", "--set",
+              "qerl.rollout.max_new_tokens=4", "--set", "qerl.prompts_per_step=1", "--set", "qerl.data.eval_size=4")
+    child = qerl_server.qerl("jobs", "create", "--model", parent, "--steps", "1", *common, "--json", "--watch")
+    assert child.returncode == 0, (child.stdout, child.stderr)
+    child_id = re.search(r"Job (ftjob-\w+) succeeded", child.stdout).group(1)
+    job = httpx.get(f"{api}/v1/fine_tuning/jobs/{child_id}", headers=h).json()
+    parent_adapter = httpx.get(f"{api}/v1/adapters/{cli_job.job['qerl']['adapter_id']}", headers=h).json()
+    spec = job["qerl"]["spec"]
+    assert job["model"] == parent and spec["model"] == "tiny" and spec["lora"]["r"] == 4
+    assert spec["init_adapter"] == f"adapters/{parent_adapter['id']}.tar.gz"
+    assert job["fine_tuned_model"].startswith("ft:tiny:") and child_id.removeprefix("ftjob-") in job["fine_tuned_model"]
+    mine = httpx.get(f"{api}/v1/adapters/{job['qerl']['adapter_id']}", headers=h).json()
+    assert mine["base_model"] == "tiny"
+    events = [e["message"] for e in httpx.get(f"{api}/v1/fine_tuning/jobs/{child_id}/events", params={"limit": 100},
+                                              headers=h).json()["data"]]
+    assert any("Starting from the LoRA in init-adapter/" in m for m in events), events
+    got = qerl_server.qerl("adapters", "download", parent_adapter["id"], "-o", str(tmp_path / "parent"))
+    assert got.returncode == 0, got.stderr
+    start = qerl_server.data_dir / "data" / "artifacts" / "jobs" / child_id / "init-adapter"
+    a, b = (load_file(d / "adapter_model.safetensors") for d in (tmp_path / "parent", start))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    for flags, param in ((("--set", "qerl.lora.r=8"), "qerl.lora.r"), (("--set", "qerl.init_adapter=/tmp/x"),
+                                                                        "qerl.init_adapter")):
+        bad = qerl_server.qerl("jobs", "create", "--model", parent, "--steps", "1", *common, *flags, "--json")
+        assert bad.returncode == 1 and "(422" in bad.stderr and param in bad.stderr, (bad.stdout, bad.stderr)
+    unknown = httpx.post(f"{api}/v1/fine_tuning/jobs", headers=h, json={
+        "model": parent + "x", "qerl": {"dataset": {"source": "reasoning_gym", "task": "products"}}})
+    assert unknown.status_code == 422 and unknown.json()["error"]["code"] == "model_not_found"
+    assert unknown.json()["error"]["param"] == "model"
+
+    running = qerl_server.qerl("jobs", "create", "--model", parent, "--steps", "300", *common, "--json")
+    assert running.returncode == 0, running.stderr
+    running_id = json.loads(running.stdout)["id"]
+    try:
+        busy = httpx.delete(f"{api}/v1/models/{parent}", headers=h)
+        assert busy.status_code == 409 and busy.json()["error"]["code"] == "model_in_use", busy.text
+        assert running_id in busy.json()["error"]["message"]
+        assert httpx.get(f"{api}/v1/adapters/{parent_adapter['id']}", headers=h).status_code == 200
+    finally:
+        httpx.post(f"{api}/v1/fine_tuning/jobs/{running_id}/cancel", headers=h)
+        deadline = time.monotonic() + 120
+        while httpx.get(f"{api}/v1/fine_tuning/jobs/{running_id}", headers=h).json()["status"] != "cancelled":
+            assert time.monotonic() < deadline, "the long job did not cancel"
+            time.sleep(0.3)
+
+
 def test_kept_checkpoint_loras_outlive_the_workdir_until_deleted(qerl_server: Served, tmp_path: Path) -> None:
     """qerl.keep_checkpoint_adapters: every checkpoint's LoRA is packed into the artifact store when
     it is saved, so all of them download after the engine pruned its checkpoints and after the

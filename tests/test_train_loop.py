@@ -169,6 +169,40 @@ def test_resume_is_bit_identical(tiny_dir, tmp_path):
         assert steps_a[s]["loss"] == steps_b[s]["loss"]
 
 
+def test_training_further_starts_from_the_given_adapter(tiny_dir, tmp_path):
+    """init_adapter: a new run's LoRA starts as the given PEFT adapter, bit for bit; a LoRA shape
+    other than the adapter's is refused naming the field and the value to use."""
+    from engine.lora import adapter_state_dict
+    from engine.train_loop import _Run
+
+    data = write_rows(tmp_path / "d.jsonl")
+    first = train(make_spec(tiny_dir, data), workdir=tmp_path / "a", reporter=NullReporter(), should_stop=lambda: False)
+    trained = load_file(str(first.adapter_dir / "adapter_model.safetensors"))
+    assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in trained.items())
+
+    reporter = NullReporter()
+    run = _Run(make_spec(tiny_dir, data, init_adapter=str(first.adapter_dir), seed=5), tmp_path / "b", reporter,
+               lambda: False)
+    run._setup()
+    now = adapter_state_dict(run.model)
+    assert now.keys() == trained.keys() and all(torch.equal(now[k].float(), trained[k].float()) for k in now)
+    assert any("Starting from the LoRA" in msg for _, msg, _ in reporter.events)
+    further = train(make_spec(tiny_dir, data, init_adapter=str(first.adapter_dir)), workdir=tmp_path / "c",
+                    reporter=NullReporter(), should_stop=lambda: False)
+    assert not further.stopped and further.steps == 2
+
+    for over, field in (({"lora": {"r": 8, "alpha": 8}}, "lora.r=4"), ({"lora": {"alpha": 4}}, "lora.alpha=8"),
+                        ({"lora": {"target_modules": ["q_proj"]}}, "lora.target_modules")):
+        with pytest.raises(TrainError) as bad:
+            train(make_spec(tiny_dir, data, init_adapter=str(first.adapter_dir), **over), workdir=tmp_path / "d",
+                  reporter=NullReporter(), should_stop=lambda: False)
+        assert bad.value.code == "invalid_spec" and field in str(bad.value), str(bad.value)
+    with pytest.raises(TrainError) as missing:
+        train(make_spec(tiny_dir, data, init_adapter=str(tmp_path / "nowhere")), workdir=tmp_path / "e",
+              reporter=NullReporter(), should_stop=lambda: False)
+    assert missing.value.code == "invalid_spec" and "not a PEFT LoRA directory" in str(missing.value)
+
+
 def test_stop_at_a_step_boundary_saves_a_checkpoint(tiny_dir, tmp_path):
     rep = NullReporter()
     spec = make_spec(tiny_dir, write_rows(tmp_path / "d.jsonl"), steps=3)

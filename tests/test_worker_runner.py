@@ -77,6 +77,31 @@ def test_success_packs_a_peft_adapter_and_records_progress(ctx, sessions):
         assert all(not Path(c.path).is_absolute() and c.path.startswith(f"jobs/{job.id}/checkpoints/") for c in ckpts)
 
 
+def test_a_job_training_a_model_further_fails_clearly_when_its_start_is_gone_or_corrupt(ctx, sessions):
+    with sessions() as s:
+        parent_job = make_job(s, tiny_spec("tiny", steps=1))
+    assert run_job(ctx, parent_job.id) == "succeeded"
+    art = Path(ctx.settings.artifact_dir)
+    with sessions() as s:
+        parent = s.get(Adapter, s.get(Job, parent_job.id).adapter_id)
+        name, rel = parent.name, parent.path
+        child = make_job(s, tiny_spec("tiny", steps=1, init_adapter=rel), model=name)
+    archive = art / rel
+    good = archive.read_bytes()
+    archive.write_bytes(good[:-10] + bytes(10))  # flipped bytes: the sha256 no longer matches
+    assert run_job(ctx, child.id) == "failed"
+    with sessions() as s:
+        got = s.get(Job, child.id)
+        assert got.error_code == "model_not_found" and name in got.error_message, got.error_message
+        assert "sha256" in got.error_message
+        archive.write_bytes(good)  # intact again: a new job from it succeeds and its start is the parent
+        again = make_job(s, tiny_spec("tiny", steps=1, init_adapter=rel), model=name)
+    assert run_job(ctx, again.id) == "succeeded"
+    with sessions() as s:
+        assert any(e.message.startswith("Starting from the LoRA in init-adapter/") for e in events(s, again.id))
+        assert s.get(Adapter, s.get(Job, again.id).adapter_id).base_model == "tiny"
+
+
 def test_failures_end_with_a_code_the_user_can_act_on(ctx, sessions):
     art = Path(ctx.settings.artifact_dir)
     with sessions() as s:

@@ -10,12 +10,16 @@ Every write is fenced by the attempt, so a worker that lost its lease changes no
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import tarfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 import engine
@@ -23,7 +27,8 @@ from engine.spec import TrainSpec
 from engine.types import OOM_ADVICE, TrainError, is_disk_full, is_out_of_memory
 from service import queue
 from service.models import Adapter, Checkpoint, File, Job, new_id
-from service.views import fine_tuned_model_name
+from service.storage import ArtifactStore, Corrupt
+from service.views import base_model_of, fine_tuned_model_name
 from worker.artifacts import job_workdir, pack_adapter
 from worker.lease import LeaseKeeper
 from worker.reporter import DBReporter
@@ -108,6 +113,8 @@ def _prepare(ctx: WorkerContext, job: Job, artifact_dir: Path) -> tuple[TrainSpe
             ref = getattr(job, param) or getattr(spec.data, attr)
             if ref and str(ref).startswith("file-"):
                 setattr(spec.data, attr, str(_file_path(s, ref, param, artifact_dir)))
+        if spec.init_adapter is not None:
+            spec.init_adapter = str(_unpack_parent(s, job, spec.init_adapter, artifact_dir))
         resume_from = None
         if job.resume_checkpoint_id:
             ckpt = s.get(Checkpoint, job.resume_checkpoint_id)
@@ -121,6 +128,28 @@ def _prepare(ctx: WorkerContext, job: Job, artifact_dir: Path) -> tuple[TrainSpe
 
         resume_from = latest_checkpoint(job_workdir(artifact_dir, job.id) / "checkpoints")
     return spec, resume_from
+
+
+def _unpack_parent(s: Session, job: Job, rel: str, artifact_dir: Path) -> Path:
+    """The LoRA of the fine-tuned model the job trains further, sha256-checked and unpacked into
+    the job's workdir (``init-adapter/``), afresh on every attempt."""
+    parent = s.scalar(select(Adapter).where(Adapter.path == rel))
+    try:
+        if parent is None:
+            raise FileNotFoundError(rel)
+        archive = ArtifactStore(artifact_dir).verified(rel, parent.sha256)
+    except (FileNotFoundError, Corrupt) as exc:
+        raise TrainError("model_not_found", f"the fine-tuned model {job.model} that this job trains further is no "
+                                            f"longer available ({exc}); create the job from another model") from None
+    dest = job_workdir(artifact_dir, job.id) / "init-adapter"
+    tmp = dest.with_name(f".tmp-init-adapter-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(tmp, filter="data")  # our own archive; "data" refuses links and paths outside tmp
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    return dest
 
 
 def _file_path(s: Session, file_id: str, param: str, artifact_dir: Path) -> Path:
@@ -185,7 +214,7 @@ def _succeed(ctx: WorkerContext, keeper: LeaseKeeper, job: Job, adapter_dir: Pat
         code, message = _classify(exc, job.id, artifact_dir)
         return _end(ctx, keeper, job, "failed", error_code=code, error_message=message)
     adapter = Adapter(id=adapter_id, project=job.project, job_id=job.id, name=fine_tuned_model_name(job),
-                      base_model=job.model, path=packed.path, bytes=packed.bytes, sha256=packed.sha256,
+                      base_model=base_model_of(job), path=packed.path, bytes=packed.bytes, sha256=packed.sha256,
                       manifest=packed.manifest)
     final = _end(ctx, keeper, job, "succeeded", adapter=adapter)
     if final != "succeeded":  # cancelled at the last moment, or lease lost: the tarball is nobody's

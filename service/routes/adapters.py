@@ -8,7 +8,7 @@ from sqlalchemy.orm import Session
 from service import crud
 from service.auth import CurrentKey
 from service.deps import ReleasingRoute, SessionDep, StoreDep
-from service.errors import not_found
+from service.errors import APIError, not_found
 from service.models import Adapter as AdapterRow
 from service.schemas import Adapter, AdapterDeleted, ListPage
 from service.storage import ArtifactStore, checkpoint_adapters_dir, verified_artifact
@@ -69,6 +69,11 @@ def delete_adapter(adapter_id: str, key: CurrentKey, session: SessionDep, store:
 def remove_adapter(session: Session, store: ArtifactStore, adapter: AdapterRow) -> None:
     """Row first (committed), then the archives (the adapter's and its job's kept checkpoint LoRAs):
     a crash in between leaves orphan files only."""
+    users = crud.active_jobs_training_further(session, adapter)
+    if users:
+        raise APIError(409, f"{adapter.name} is being trained further by job(s) {', '.join(users)} that have not "
+                            "finished; cancel them or wait until they end, then delete it.", code="model_in_use",
+                       param="model")
     path, job_id = adapter.path, adapter.job_id
     released = crud.delete_adapter(session, adapter)
     session.commit()
