@@ -2,6 +2,8 @@
 only through here (job state changes such as cancel go through ``service.queue``)."""
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Select, Text, and_, bindparam, cast, func, or_, select
@@ -9,7 +11,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from service.models import Adapter, Checkpoint, File, Job, JobEvent, JobMetric, utcnow
-from service.views import ACTIVE
+from service.views import ACTIVE, base_model_of, fine_tuned_model_name
 
 MAX_LIMIT = 10_000
 
@@ -73,11 +75,44 @@ def active_jobs_using(session: Session, project: str, file_id: str) -> list[str]
     return list(session.scalars(stmt))
 
 
-def active_jobs_training_further(session: Session, adapter: Adapter) -> list[str]:
-    """Unfinished jobs that train ``adapter``'s fine-tuned model further (its archive is their start)."""
-    stmt = select(Job.id, Job.spec).where(Job.project == adapter.project, Job.status.in_(ACTIVE),
-                                          Job.model == adapter.name)
-    return [job_id for job_id, spec in session.execute(stmt) if (spec or {}).get("init_adapter") == adapter.path]
+@dataclass
+class Parent:
+    """A LoRA a job can start from: a fine-tuned model (``ft:...``) or one of its jobs' kept
+    checkpoint LoRAs (``ft:...:ckpt-step-N``)."""
+    name: str
+    base_model: str
+    lora: dict[str, Any]  # its LoraSpec fields
+    path: str  # the archive, relative to the artifact store
+    sha256: str
+
+
+_CHECKPOINT_NAME = re.compile(r"^(ft:.+):ckpt-step-(\d+)$")
+
+
+def find_parent(session: Session, project: str, name: str) -> Parent | None:
+    """The fine-tuned model or kept checkpoint LoRA called ``name`` in ``project``, its row locked
+    (against a concurrent delete), or None."""
+    m = _CHECKPOINT_NAME.match(name)
+    if m is None:
+        a = get_adapter_by_name(session, project, name, for_update=True)
+        return Parent(a.name, a.base_model, (a.manifest or {}).get("lora") or {}, a.path, a.sha256) if a else None
+    job = get_job(session, project, "ftjob-" + m.group(1).rsplit(":", 1)[-1])
+    if job is None or (job.fine_tuned_model or fine_tuned_model_name(job)) != m.group(1):
+        return None
+    c = session.scalar(select(Checkpoint).where(Checkpoint.job_id == job.id, Checkpoint.step == int(m.group(2)),
+                                                Checkpoint.adapter_path.is_not(None))
+                       .order_by(Checkpoint.created_at.desc()).limit(1).with_for_update())
+    if c is None or c.adapter_path is None or c.adapter_sha256 is None:
+        return None
+    return Parent(name, base_model_of(job), (job.spec or {}).get("lora") or {}, c.adapter_path, c.adapter_sha256)
+
+
+def active_jobs_starting_from(session: Session, project: str, paths: set[str]) -> list[str]:
+    """Unfinished jobs of ``project`` whose start (init_adapter) is one of the archives ``paths``."""
+    if not paths:
+        return []
+    stmt = select(Job.id, Job.spec).where(Job.project == project, Job.status.in_(ACTIVE))
+    return [job_id for job_id, spec in session.execute(stmt) if (spec or {}).get("init_adapter") in paths]
 
 
 def mark_file_deleted(session: Session, file: File) -> None:
@@ -188,14 +223,19 @@ def delete_adapter(session: Session, adapter: Adapter) -> list[str]:
     if job is not None:
         if job.adapter_id == adapter.id:
             job.adapter_id = None
-        for c in session.scalars(select(Checkpoint).where(Checkpoint.job_id == job.id,
-                                                          Checkpoint.adapter_path.is_not(None))):
+        for c in kept_checkpoints(session, job.id):
             released.append(c.adapter_path or "")
             c.adapter_path = c.adapter_bytes = c.adapter_sha256 = None
         add_event(session, job.id, job.attempt, f"The fine-tuned model {adapter.name} ({adapter.id}) was deleted"
                   + (f", with the LoRAs of {len(released)} checkpoints" if released else ""))
     session.delete(adapter)
     return released
+
+
+def kept_checkpoints(session: Session, job_id: str) -> list[Checkpoint]:
+    """The job's checkpoints whose LoRA is archived (keep_checkpoint_adapters)."""
+    return list(session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id,
+                                                         Checkpoint.adapter_path.is_not(None))))
 
 
 def delete_checkpoint(session: Session, job: Job, checkpoint: Checkpoint) -> None:

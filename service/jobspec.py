@@ -8,7 +8,8 @@ artifact store; the worker's runner makes them absolute); ``qerl.dataset`` -> da
 batch) x rl.mu, ``eval_interval`` -> eval_interval, ``eval_samples`` -> data.eval_size,
 ``compute_multiplier`` -> rollout.num_generations = round(4 x m). ``qerl`` takes TrainSpec's own
 fields, plus the shortcuts ``algorithm`` (rl.algorithm) and ``dataset`` (data.dataset). A
-fine-tuned ``model`` (``ft:...``) is trained further: its base, LoRA shape and weights (init_adapter).
+fine-tuned ``model`` (``ft:...``, or a kept checkpoint's ``ft:...:ckpt-step-N``) is trained further:
+its base, LoRA shape and weights (init_adapter).
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from engine.rewards import Grader, build_grader
 from engine.spec import TrainSpec
 from engine.types import TrainError
 from service.errors import APIError
-from service.models import Adapter, File
+from service.crud import Parent
+from service.models import File
 from service.schemas import JobCreate
 from service.views import DEFAULT_LR
 
@@ -115,20 +117,23 @@ def _hyper(body: JobCreate, d: dict[str, Any], qerl: dict[str, Any], rows: int |
 LORA_SHAPE = ("r", "alpha", "target_modules", "use_rslora")  # what a LoRA trained further keeps
 
 
-def _parent(model: str, lookup_adapter: Callable[[str], Adapter | None]) -> Adapter:
-    """The fine-tuned model (an adapter of this project) a job trains further."""
-    adapter = lookup_adapter(model)
-    if adapter is None:
-        hint = (" (a checkpoint's name cannot be trained further: download it, or train the job's final model)"
-                if ":ckpt-step-" in model else "")
-        raise _invalid("model", f"no fine-tuned model {model!r} in this project{hint}; GET /v1/models lists them",
+def _parent(model: str, lookup_parent: Callable[[str], Parent | None]) -> Parent:
+    """The fine-tuned model or kept checkpoint LoRA of this project a job trains further."""
+    parent = lookup_parent(model)
+    if parent is None:
+        if ":ckpt-step-" in model:
+            raise _invalid("model", f"no checkpoint {model!r} with a kept LoRA in this project: a job keeps its "
+                                    "checkpoints' LoRAs for training further when created with "
+                                    "qerl.keep_checkpoint_adapters=true (GET /v1/fine_tuning/jobs/{id}/checkpoints "
+                                    "shows them with qerl.adapter_sha256)", code="model_not_found")
+        raise _invalid("model", f"no fine-tuned model {model!r} in this project; GET /v1/models lists them",
                        code="model_not_found")
-    return adapter
+    return parent
 
 
-def _inherit_lora(d: dict[str, Any], adapter: Adapter) -> None:
+def _inherit_lora(d: dict[str, Any], parent: Parent) -> None:
     """The parent's LoRA shape, unless the request gives the same; dropout may change."""
-    theirs = (adapter.manifest or {}).get("lora") or {}
+    theirs = parent.lora
     ours = d.setdefault("lora", {})
     for name in LORA_SHAPE:
         if name not in theirs:
@@ -137,18 +142,18 @@ def _inherit_lora(d: dict[str, Any], adapter: Adapter) -> None:
             a, b = ours[name], theirs[name]
             same = sorted(a) == sorted(b) if name == "target_modules" and isinstance(a, list) else a == b
             if not same:
-                raise _invalid(f"qerl.lora.{name}", f"qerl.lora.{name}={a!r}, but {adapter.name} was trained with "
+                raise _invalid(f"qerl.lora.{name}", f"qerl.lora.{name}={a!r}, but {parent.name} was trained with "
                                                     f"{b!r}: a model trained further keeps its LoRA's shape; set "
                                                     f"qerl.lora.{name} to {b!r} or leave it out")
         ours[name] = theirs[name]
 
 
 def build_spec(body: JobCreate, lookup_file: Callable[[str], File | None],
-               lookup_adapter: Callable[[str], Adapter | None] = lambda name: None) -> tuple[str, dict[str, Any]]:
+               lookup_parent: Callable[[str], Parent | None] = lambda name: None) -> tuple[str, dict[str, Any]]:
     """(the job's model name, TrainSpec dict) or APIError 422 naming the param and the fix. A
-    fine-tuned model (``ft:...``, ``lookup_adapter``) is trained further: its base model, its LoRA
-    as ``init_adapter`` (the archive's path in the artifact store) and its LoRA shape."""
-    parent = _parent(body.model, lookup_adapter) if body.model.startswith("ft:") else None
+    fine-tuned model or kept checkpoint (``ft:...``, ``lookup_parent``) is trained further: its base
+    model, its LoRA as ``init_adapter`` (the archive's path in the artifact store), its LoRA shape."""
+    parent = _parent(body.model, lookup_parent) if body.model.startswith("ft:") else None
     try:
         entry = registry.resolve(parent.base_model if parent is not None else body.model)
     except ValueError as exc:

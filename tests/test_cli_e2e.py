@@ -211,6 +211,19 @@ def test_adapters_delete_by_model_name_and_by_id(qerl_server: Served) -> None:
     assert again.returncode == 1 and "(404" in again.stderr and "Traceback" not in again.stderr
 
 
+# a short job on a built-in task (the tiny model), for the tests that train a model further
+SHORT = ("--dataset", "products", "--dataset-size", "40", "--set", "qerl.device=cpu", "--set",
+         "qerl.rollout.max_new_tokens=4", "--set", "qerl.prompts_per_step=1", "--set", "qerl.data.eval_size=4")
+
+
+def _cancel_and_wait(served: Served, job_id: str) -> None:
+    httpx.post(f"{served.url}/v1/fine_tuning/jobs/{job_id}/cancel", headers=served.headers)
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{served.url}/v1/fine_tuning/jobs/{job_id}", headers=served.headers).json()["status"] != "cancelled":
+        assert time.monotonic() < deadline, f"job {job_id} did not cancel"
+        time.sleep(0.3)
+
+
 def test_a_fine_tuned_model_trains_further_from_its_lora(cli_job: CliJob, qerl_server: Served, tmp_path: Path) -> None:
     """model = ft:...: the job trains the parent's base with the parent's LoRA (shape inherited, weights
     unpacked bit for bit as its start), names its own model after the base; the parent cannot be
@@ -220,8 +233,7 @@ def test_a_fine_tuned_model_trains_further_from_its_lora(cli_job: CliJob, qerl_s
 
     parent = cli_job.job["fine_tuned_model"]
     api, h = qerl_server.url, qerl_server.headers
-    common = ("--dataset", "products", "--dataset-size", "40", "--set", "qerl.device=cpu", "--set",
-              "qerl.rollout.max_new_tokens=4", "--set", "qerl.prompts_per_step=1", "--set", "qerl.data.eval_size=4")
+    common = SHORT
     child = qerl_server.qerl("jobs", "create", "--model", parent, "--steps", "1", *common, "--json", "--watch")
     assert child.returncode == 0, (child.stdout, child.stderr)
     child_id = re.search(r"Job (ftjob-\w+) succeeded", child.stdout).group(1)
@@ -260,11 +272,7 @@ def test_a_fine_tuned_model_trains_further_from_its_lora(cli_job: CliJob, qerl_s
         assert running_id in busy.json()["error"]["message"]
         assert httpx.get(f"{api}/v1/adapters/{parent_adapter['id']}", headers=h).status_code == 200
     finally:
-        httpx.post(f"{api}/v1/fine_tuning/jobs/{running_id}/cancel", headers=h)
-        deadline = time.monotonic() + 120
-        while httpx.get(f"{api}/v1/fine_tuning/jobs/{running_id}", headers=h).json()["status"] != "cancelled":
-            assert time.monotonic() < deadline, "the long job did not cancel"
-            time.sleep(0.3)
+        _cancel_and_wait(qerl_server, running_id)
 
 
 def test_kept_checkpoint_loras_outlive_the_workdir_until_deleted(qerl_server: Served, tmp_path: Path) -> None:
@@ -311,6 +319,32 @@ def test_kept_checkpoint_loras_outlive_the_workdir_until_deleted(qerl_server: Se
         assert all(torch.equal(got[k], engine_copies[step][k]) for k in got)  # that step's LoRA, bit for bit
         assert json.loads((tmp_path / str(step) / "qerl_manifest.json").read_text())["steps"] == step
     assert from_disk.content == httpx.get(f"{base}/{ckpts[3]['id']}/content", headers=qerl_server.headers).content
+
+    # a kept checkpoint trains further: its LoRA is the new job's start; it and its model cannot be
+    # deleted while such a job is unfinished; a step without a kept LoRA is refused naming the option
+    name2 = ckpts[2]["fine_tuned_model_checkpoint"]
+    child = qerl_server.qerl("jobs", "create", "--model", name2, "--steps", "1", *SHORT, "--json", "--watch")
+    assert child.returncode == 0, (child.stdout, child.stderr)
+    child_id = re.search(r"Job (ftjob-\w+) succeeded", child.stdout).group(1)
+    start = load_file(artifacts / "jobs" / child_id / "init-adapter" / "adapter_model.safetensors")
+    assert start.keys() == engine_copies[2].keys() and all(torch.equal(start[k], engine_copies[2][k]) for k in start)
+    child_job = httpx.get(f"{qerl_server.url}/v1/fine_tuning/jobs/{child_id}", headers=qerl_server.headers).json()
+    assert child_job["model"] == name2 and child_job["fine_tuned_model"].startswith("ft:tiny:")
+    running = qerl_server.qerl("jobs", "create", "--model", name2, "--steps", "300", *SHORT, "--json")
+    assert running.returncode == 0, running.stderr
+    running_id = json.loads(running.stdout)["id"]
+    try:
+        busy = httpx.delete(f"{base}/{ckpts[2]['id']}", headers=qerl_server.headers)
+        assert busy.status_code == 409 and busy.json()["error"]["code"] == "checkpoint_in_use", busy.text
+        model = httpx.get(f"{qerl_server.url}/v1/fine_tuning/jobs/{job_id}", headers=qerl_server.headers).json()
+        busy = httpx.delete(f"{qerl_server.url}/v1/models/{model['fine_tuned_model']}", headers=qerl_server.headers)
+        assert busy.status_code == 409 and busy.json()["error"]["code"] == "model_in_use", busy.text
+    finally:
+        _cancel_and_wait(qerl_server, running_id)
+    unkept = httpx.post(f"{qerl_server.url}/v1/fine_tuning/jobs", headers=qerl_server.headers, json={
+        "model": name2.replace("ckpt-step-2", "ckpt-step-9"),
+        "qerl": {"dataset": {"source": "reasoning_gym", "task": "products"}}})
+    assert unkept.status_code == 422 and "keep_checkpoint_adapters" in unkept.json()["error"]["message"]
 
     # deleting one checkpoint: its row and archive go, the others stay
     gone = qerl_server.qerl("jobs", "checkpoints", job_id, "--delete", "1")

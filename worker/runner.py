@@ -131,13 +131,14 @@ def _prepare(ctx: WorkerContext, job: Job, artifact_dir: Path) -> tuple[TrainSpe
 
 
 def _unpack_parent(s: Session, job: Job, rel: str, artifact_dir: Path) -> Path:
-    """The LoRA of the fine-tuned model the job trains further, sha256-checked and unpacked into
+    """The LoRA the job trains further (a fine-tuned model's or a kept checkpoint's), sha256-checked and unpacked into
     the job's workdir (``init-adapter/``), afresh on every attempt."""
-    parent = s.scalar(select(Adapter).where(Adapter.path == rel))
+    sha256 = (s.scalar(select(Adapter.sha256).where(Adapter.path == rel))
+              or s.scalar(select(Checkpoint.adapter_sha256).where(Checkpoint.adapter_path == rel).limit(1)))
     try:
-        if parent is None:
+        if sha256 is None:
             raise FileNotFoundError(rel)
-        archive = ArtifactStore(artifact_dir).verified(rel, parent.sha256)
+        archive = ArtifactStore(artifact_dir).verified(rel, sha256)
     except (FileNotFoundError, Corrupt) as exc:
         raise TrainError("model_not_found", f"the fine-tuned model {job.model} that this job trains further is no "
                                             f"longer available ({exc}); create the job from another model") from None

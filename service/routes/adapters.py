@@ -69,11 +69,12 @@ def delete_adapter(adapter_id: str, key: CurrentKey, session: SessionDep, store:
 def remove_adapter(session: Session, store: ArtifactStore, adapter: AdapterRow) -> None:
     """Row first (committed), then the archives (the adapter's and its job's kept checkpoint LoRAs):
     a crash in between leaves orphan files only."""
-    users = crud.active_jobs_training_further(session, adapter)
+    starts = {adapter.path, *(c.adapter_path or "" for c in crud.kept_checkpoints(session, adapter.job_id))}
+    users = crud.active_jobs_starting_from(session, adapter.project, starts)
     if users:
-        raise APIError(409, f"{adapter.name} is being trained further by job(s) {', '.join(users)} that have not "
-                            "finished; cancel them or wait until they end, then delete it.", code="model_in_use",
-                       param="model")
+        raise APIError(409, f"{adapter.name} (or one of its kept checkpoints) is being trained further by job(s) "
+                            f"{', '.join(users)} that have not finished; cancel them or wait until they end, then "
+                            "delete it.", code="model_in_use", param="model")
     path, job_id = adapter.path, adapter.job_id
     released = crud.delete_adapter(session, adapter)
     session.commit()

@@ -143,6 +143,11 @@ def delete_checkpoint(job_id: str, checkpoint_id: str, key: CurrentKey, session:
     job = _job(session, key.project, job_id)
     c = _checkpoint(session, job, checkpoint_id, for_update=True)
     path = c.adapter_path
+    users = crud.active_jobs_starting_from(session, job.project, {path} if path else set())
+    if users:
+        raise APIError(409, f"Checkpoint {checkpoint_id}'s LoRA is being trained further by job(s) {', '.join(users)} "
+                            "that have not finished; cancel them or wait until they end, then delete it.",
+                       code="checkpoint_in_use", param="checkpoint_id")
     crud.delete_checkpoint(session, job, c)
     session.commit()
     if path:

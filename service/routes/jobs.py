@@ -57,7 +57,7 @@ def create_job(body: JobCreate, key: CurrentKey, session: SessionDep, settings: 
         if earlier is not None:
             return _replay(earlier, digest)
     model, spec = build_spec(body, lambda fid: crud.get_file(session, key.project, fid, for_update=True),
-                             lambda name: crud.get_adapter_by_name(session, key.project, name, for_update=True))
+                             lambda name: crud.find_parent(session, key.project, name))
     job = Job(id=new_id("ftjob"), project=key.project, model=model, status="queued", request=raw, spec=spec,
               training_file=body.training_file, validation_file=body.validation_file, seed=spec["seed"],
               suffix=body.suffix, user_metadata=body.metadata, idempotency_key=idempotency_key,
