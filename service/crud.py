@@ -232,10 +232,11 @@ def delete_adapter(session: Session, adapter: Adapter) -> list[str]:
     return released
 
 
-def kept_checkpoints(session: Session, job_id: str) -> list[Checkpoint]:
-    """The job's checkpoints whose LoRA is archived (keep_checkpoint_adapters)."""
-    return list(session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id,
-                                                         Checkpoint.adapter_path.is_not(None))))
+def kept_checkpoints(session: Session, job_id: str, *, for_update: bool = False) -> list[Checkpoint]:
+    """The job's checkpoints whose LoRA is archived (keep_checkpoint_adapters); ``for_update`` locks
+    them, so that a job created from one of them meanwhile is seen before they are released."""
+    stmt = select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.adapter_path.is_not(None))
+    return list(session.scalars(stmt.with_for_update() if for_update else stmt))
 
 
 def delete_checkpoint(session: Session, job: Job, checkpoint: Checkpoint) -> None:

@@ -107,3 +107,39 @@ def test_deleting_a_fine_tuned_model_or_an_adapter_removes_row_and_archive(clien
     assert not (api_settings.artifact_dir / second.path).exists()
     assert client.get("/v1/adapters", headers=key_a.headers).json()["data"] == []
     assert {m["qerl"]["kind"] for m in client.get("/v1/models", headers=key_a.headers).json()["data"]} == {"base"}
+
+
+def test_a_job_from_a_fine_tuned_model_holds_it_until_the_job_ends(client, key_a, key_b, db_sessions, api_settings,
+                                                                  tmp_path):
+    fid = upload(client, key_a, jsonl(training_rows(40))).json()["id"]
+    parent_job = client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=body(fid, suffix="p")).json()["id"]
+    parent = finish_job_with_adapter(db_sessions, api_settings, parent_job, tmp_path)
+    with db_sessions() as s:  # the LoRA shape the worker's manifest records
+        row = s.get(Adapter, parent.id)
+        row.manifest = {**row.manifest, "lora": {"r": 8, "alpha": 16.0, "dropout": 0.0, "use_rslora": False,
+                                                 "target_modules": ["q_proj", "v_proj"]}}
+        s.commit()
+
+    resp = client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=body(fid, model=parent.name,
+                                                                                 qerl={"lora": {"dropout": 0.1}}))
+    assert resp.status_code == 200, resp.text
+    child = resp.json()
+    spec = child["qerl"]["spec"]
+    assert child["model"] == parent.name and spec["model"] == MODEL and spec["init_adapter"] == parent.path
+    assert spec["lora"] == {"r": 8, "alpha": 16.0, "dropout": 0.1, "use_rslora": False,
+                            "target_modules": ["q_proj", "v_proj"]}
+    bad = client.post("/v1/fine_tuning/jobs", headers=key_a.headers,
+                      json=body(fid, model=parent.name, qerl={"lora": {"target_modules": ["q_proj"]}}))
+    err = assert_error(bad, 422, param="qerl.lora.target_modules")
+    assert "v_proj" in err["message"]
+    assert_error(client.post("/v1/fine_tuning/jobs", headers=key_b.headers, json=body(fid, model=parent.name)),
+                 422, code="model_not_found", param="model")  # another project's model does not exist for it
+
+    err = assert_error(client.delete(f"/v1/models/{parent.name}", headers=key_a.headers), 409, code="model_in_use")
+    assert child["id"] in err["message"]
+    assert_error(client.delete(f"/v1/adapters/{parent.id}", headers=key_a.headers), 409, code="model_in_use")
+    assert (api_settings.artifact_dir / parent.path).is_file()
+    assert client.post(f"/v1/fine_tuning/jobs/{child['id']}/cancel", headers=key_a.headers).json()["status"] == \
+        "cancelled"
+    assert client.delete(f"/v1/models/{parent.name}", headers=key_a.headers).status_code == 200
+    assert not (api_settings.artifact_dir / parent.path).exists()

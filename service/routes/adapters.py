@@ -69,7 +69,7 @@ def delete_adapter(adapter_id: str, key: CurrentKey, session: SessionDep, store:
 def remove_adapter(session: Session, store: ArtifactStore, adapter: AdapterRow) -> None:
     """Row first (committed), then the archives (the adapter's and its job's kept checkpoint LoRAs):
     a crash in between leaves orphan files only."""
-    starts = {adapter.path, *(c.adapter_path or "" for c in crud.kept_checkpoints(session, adapter.job_id))}
+    starts = {adapter.path, *(c.adapter_path or "" for c in crud.kept_checkpoints(session, adapter.job_id, for_update=True))}
     users = crud.active_jobs_starting_from(session, adapter.project, starts)
     if users:
         raise APIError(409, f"{adapter.name} (or one of its kept checkpoints) is being trained further by job(s) "
