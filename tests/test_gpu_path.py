@@ -170,6 +170,27 @@ def test_a_gpu_job_samples_on_the_graph_engine(tmp_path, monkeypatch):
     assert (res.adapter_dir / "adapter_model.safetensors").exists()
 
 
+def test_a_gpu_job_trains_a_model_further_from_its_lora(tmp_path):
+    """init_adapter on the GPU: the LoRA loaded into the resident NVFP4 model reaches the graph
+    engine: the new job's greedy evaluation before training is the first job's after it."""
+    from engine import NullReporter, train
+    from engine.lora import adapter_state_dict
+    from engine.train_loop import _Run
+    from safetensors.torch import load_file
+
+    first = train(_tiny_job(tmp_path), workdir=tmp_path / "a", reporter=NullReporter(), should_stop=lambda: False)
+    trained = load_file(str(first.adapter_dir / "adapter_model.safetensors"))
+    run = _Run(_tiny_job(tmp_path, init_adapter=str(first.adapter_dir)), tmp_path / "b", NullReporter(),
+               lambda: False)
+    run._setup()
+    now = adapter_state_dict(run.model)
+    assert now.keys() == trained.keys() and all(torch.equal(now[k].float().cpu(), trained[k].float()) for k in now)
+    del run
+    further = train(_tiny_job(tmp_path, init_adapter=str(first.adapter_dir), steps=1), workdir=tmp_path / "c",
+                    reporter=NullReporter(), should_stop=lambda: False)
+    assert further.metrics["eval_initial/reward_mean"] == first.metrics["eval/reward_mean"]
+
+
 def test_a_job_over_its_gpu_memory_cap_fails_out_of_memory_and_the_cap_is_lifted(tmp_path):
     """max_gpu_memory_gib=0.01 (10.7 MiB) is below the tiny model's bf16 embedding alone (49152 x 128
     x 2 bytes = 12 MiB): loading it runs into a real CUDA OOM, which fails the job ``out_of_memory``

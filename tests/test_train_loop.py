@@ -190,6 +190,9 @@ def test_training_further_starts_from_the_given_adapter(tiny_dir, tmp_path):
     further = train(make_spec(tiny_dir, data, init_adapter=str(first.adapter_dir)), workdir=tmp_path / "c",
                     reporter=NullReporter(), should_stop=lambda: False)
     assert not further.stopped and further.steps == 2
+    # its greedy evaluation before training is the first run's after it (and not a fresh LoRA's)
+    assert further.metrics["eval_initial/reward_mean"] == first.metrics["eval/reward_mean"]
+    assert first.metrics["eval/reward_mean"] != first.metrics["eval_initial/reward_mean"]
 
     for over, field in (({"lora": {"r": 8, "alpha": 8}}, "lora.r=4"), ({"lora": {"alpha": 4}}, "lora.alpha=8"),
                         ({"lora": {"target_modules": ["q_proj"]}}, "lora.target_modules")):
