@@ -102,6 +102,7 @@ class _Run:
         self.trained_tokens = 0
         self.initial_eval: dict[str, float] = {}
         self.last_metrics: dict[str, float] = {}
+        self.last_eval_step: int | None = None  # the step of the latest evaluation
         self.rollout: Any = None  # engine.rollout.backend.RolloutBackend, from _setup
         self.gpu_memory_cap_gib: float | None = None  # spec.max_gpu_memory_gib once applied to the device
         self._gpu_total = 0  # bytes of that device
@@ -431,7 +432,7 @@ class _Run:
         self.reporter.event("info", f"Evaluation at step {self.step}: reward {result['eval/reward_mean']:.3f}, "
                                     f"accuracy {result['eval/accuracy']:.3f} on {len(self.eval_prompts)} prompts",
                             {"step": self.step, **result})
-        self.last_eval = result
+        self.last_eval, self.last_eval_step = result, self.step
         return result
 
     def _boundary(self) -> _Boundary:
@@ -453,7 +454,10 @@ class _Run:
                                     extra=lambda d: self._write_adapter(d / "adapter", stopped=partial))
         if self.spec.keep_checkpoint_adapters:
             ckpt.keep_adapter(path, self.workdir / "checkpoint-adapters")
-        self.reporter.checkpoint(self.step, path, dict(self.last_metrics))
+        metrics = dict(self.last_metrics)
+        if self.last_eval_step == self.step:  # evaluated at this step: the checkpoint says how it scored
+            metrics.update(self.last_eval)
+        self.reporter.checkpoint(self.step, path, metrics)
         self.reporter.event("info", f"Checkpoint saved at step {self.step}", {"step": self.step, "path": str(path)})
         return path
 

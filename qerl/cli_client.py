@@ -248,15 +248,19 @@ def jobs_checkpoints(job_id: str,
         ckpts = sorted(client.checkpoints(job_id), key=lambda c: c["step_number"])
     if as_json:
         return _print_json(ckpts)
-    table = Table("step", "id", "reward", "saved", "LoRA")
+    table = Table("step", "id", "reward", "eval reward", "saved", "LoRA")
     for c in ckpts:
-        reward = c["metrics"].get("reward_mean")
+        reward, held_out = (c["metrics"].get(k) for k in ("reward_mean", "eval/reward_mean"))
         kept = (c.get("qerl") or {}).get("adapter_bytes")
-        table.add_row(str(c["step_number"]), c["id"], f"{reward:.4g}" if isinstance(reward, (int, float)) else "",
-                      _when(c["created_at"]), f"kept ({kept / 2**20:.1f} MiB)" if kept is not None else "while on disk")
+        table.add_row(str(c["step_number"]), c["id"], _number(reward), _number(held_out), _when(c["created_at"]),
+                      f"kept ({kept / 2**20:.1f} MiB)" if kept is not None else "while on disk")
     out.print(table)
     if ckpts:
         out.print(f"[dim]download one: qerl adapters download {job_id} --checkpoint STEP[/]")
+
+
+def _number(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, (int, float)) else ""
 
 
 @jobs_app.command("get")

@@ -52,7 +52,7 @@ def _wait_step(sessions, job_id: str, step: int, timeout: float = 120) -> int:
 
 def test_success_packs_a_peft_adapter_and_records_progress(ctx, sessions):
     with sessions() as s:
-        job = make_job(s, tiny_spec("tiny"), suffix="demo")
+        job = make_job(s, tiny_spec("tiny", eval_interval=2, data={"eval_size": 2}), suffix="demo")
     assert run_job(ctx, job.id) == "succeeded"
     assert run_job(ctx, job.id) == "skipped"  # a duplicate message is harmless
     art = Path(ctx.settings.artifact_dir)
@@ -68,12 +68,18 @@ def test_success_packs_a_peft_adapter_and_records_progress(ctx, sessions):
         with tarfile.open(tar_path) as tar:
             assert sorted(tar.getnames()) == ["adapter_config.json", "adapter_model.safetensors",
                                               "qerl_manifest.json"]
-        assert [m.step for m in _metrics(s, job.id)] == [1, 2, 3]
+        assert [m.step for m in _metrics(s, job.id)] == [0, 1, 2, 3]  # 0: the evaluation before training
         msgs = [e.message for e in events(s, job.id)]
         assert msgs[0] == "Job started (attempt 1)" and msgs[-1] == "The job has successfully completed"
         assert sum(m.startswith("Step ") for m in msgs) == 3 and any(m.startswith("Step 2/3: reward") for m in msgs)
         ckpts = s.execute(select(Checkpoint).where(Checkpoint.job_id == job.id)).scalars().all()
         assert sorted(c.step for c in ckpts) == [1, 2, 3]
+        # evaluated at step 2 (eval_interval): that checkpoint carries its held-out scores too
+        by_step = {c.step: c.metrics for c in ckpts}
+        assert "eval/reward_mean" in by_step[2] and "reward_mean" in by_step[2]
+        evals = {m.step: m.values for m in _metrics(s, job.id)}
+        assert by_step[2]["eval/reward_mean"] == evals[2]["eval/reward_mean"]
+        assert not any(k.startswith("eval/") for k in by_step[1])
         assert all(not Path(c.path).is_absolute() and c.path.startswith(f"jobs/{job.id}/checkpoints/") for c in ckpts)
 
 

@@ -340,7 +340,8 @@
           kept, status) }, 'download');
         return el('tr', { 'data-step': c.step_number },
           el('td', {}, c.step_number), el('td', { class: 'wrap' }, c.fine_tuned_model_checkpoint),
-          el('td', {}, fmt(num(c.metrics.reward_mean))), el('td', {}, when(c.created_at)), el('td', {}, get, ' ', status));
+          el('td', {}, fmt(num(c.metrics.reward_mean))), el('td', {}, fmt(num(c.metrics['eval/reward_mean']))),
+          el('td', {}, when(c.created_at)), el('td', {}, get, ' ', status));
       });
       document.querySelector('#checkpoints tbody').replaceChildren(...rows);
     }
