@@ -114,7 +114,9 @@ class ArtifactStore:
     def pack(self, src: Path) -> Staged:
         """A tar.gz of the files under ``src`` (sorted, named relative to it: a PEFT directory's
         files at the archive root) in a temporary file, fsynced and hashed. The same files give
-        the same bytes (no time in the gzip header)."""
+        the same bytes (no time in the gzip header). Deflate stores the bytes as they are: trained
+        float weights shrink by ~7% at any level while compressing them runs ~35 MB/s, storing them
+        ~270 MB/s (a kept checkpoint's LoRA is packed while its job waits)."""
         import gzip
         import tarfile
 
@@ -122,7 +124,7 @@ class ArtifactStore:
         tmp = self._tmp_path()
         try:
             with open(tmp, "wb") as raw:
-                with gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as gz:  # same files: same bytes
+                with gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0, compresslevel=0) as gz:  # same files: same bytes
                     with tarfile.open(fileobj=gz, mode="w") as tar:
                         for f in sorted(p for p in src.rglob("*") if p.is_file()):
                             tar.add(f, arcname=str(f.relative_to(src)))
