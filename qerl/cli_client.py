@@ -235,8 +235,9 @@ def jobs_checkpoints(job_id: str,
                      delete: Annotated[Optional[int], typer.Option(
                          "--delete", metavar="STEP", help="delete the checkpoint of this step (and its kept LoRA)")] = None,
                      base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJson = False) -> None:
-    """A job's checkpoints (oldest first): step, reward, and whether its LoRA is kept for good
-    (qerl.keep_checkpoint_adapters) or only while the checkpoint is on disk."""
+    """A job's checkpoints (oldest first): step, training reward, held-out reward where the job
+    evaluated at that step, and whether its LoRA is kept for good (qerl.keep_checkpoint_adapters)
+    or only while the checkpoint is on disk."""
     with _client(base_url, api_key) as client:
         if delete is not None:
             c = _checkpoint_at(client, job_id, delete)
