@@ -304,8 +304,9 @@ class _Run:
                 return self._stop(boundary)
             self.last_metrics = metrics
             self.reporter.metrics(self.step, metrics)
-            if _crossed(before, self.step, spec.eval_interval) and self.step < spec.steps:
-                self._evaluate()
+            last_checkpoint = self.step >= spec.steps and _crossed(before, self.step, spec.checkpoint_interval)
+            if (_crossed(before, self.step, spec.eval_interval) and self.step < spec.steps) or last_checkpoint:
+                self._evaluate()  # the final evaluation before the last checkpoint, which then carries its scores
             if _crossed(before, self.step, spec.checkpoint_interval):
                 self._save(self._boundary())
         return self._finish()
@@ -476,7 +477,7 @@ class _Run:
         return TrainResult(adapter_dir=adapter, steps=self.step, metrics=self._final_metrics(), stopped=True)
 
     def _finish(self) -> TrainResult:
-        result = self._evaluate()
+        result = self.last_eval if self.last_eval_step == self.step else self._evaluate()
         if result is None:
             return self._stop(self._boundary())
         adapter = self._write_adapter(stopped=False)

@@ -74,12 +74,15 @@ def test_success_packs_a_peft_adapter_and_records_progress(ctx, sessions):
         assert sum(m.startswith("Step ") for m in msgs) == 3 and any(m.startswith("Step 2/3: reward") for m in msgs)
         ckpts = s.execute(select(Checkpoint).where(Checkpoint.job_id == job.id)).scalars().all()
         assert sorted(c.step for c in ckpts) == [1, 2, 3]
-        # evaluated at step 2 (eval_interval): that checkpoint carries its held-out scores too
+        # evaluated at step 2 (eval_interval) and at the end: those checkpoints carry the held-out scores too
         by_step = {c.step: c.metrics for c in ckpts}
-        assert "eval/reward_mean" in by_step[2] and "reward_mean" in by_step[2]
         evals = {m.step: m.values for m in _metrics(s, job.id)}
-        assert by_step[2]["eval/reward_mean"] == evals[2]["eval/reward_mean"]
+        for step in (2, 3):
+            assert "reward_mean" in by_step[step] and by_step[step]["eval/reward_mean"] == evals[step]["eval/reward_mean"]
         assert not any(k.startswith("eval/") for k in by_step[1])
+        final_evals = [e for e in events(s, job.id) if e.message.startswith("Evaluation at step 3")]
+        assert len(final_evals) == 1  # the end's evaluation ran once, before the last checkpoint
+        assert adapter.manifest["metrics"]["eval/reward_mean"] == evals[3]["eval/reward_mean"]
         assert all(not Path(c.path).is_absolute() and c.path.startswith(f"jobs/{job.id}/checkpoints/") for c in ckpts)
 
 
