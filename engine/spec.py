@@ -20,6 +20,14 @@ QUANTIZATIONS = ("nvfp4", "nf4", "bf16")
 ALGORITHMS = ("grpo", "dapo", "dr_grpo")
 ROLLOUT_BACKENDS = ("native", "vllm", "auto")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_SHAPE = ("r", "alpha", "target_modules", "use_rslora")  # what a LoRA trained further keeps (not dropout)
+
+
+def same_lora_value(name: str, a: Any, b: Any) -> bool:
+    """Whether two values of LoraSpec field ``name`` describe the same LoRA (target_modules in any order)."""
+    if name == "target_modules" and isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return sorted(a) == sorted(b)
+    return a == b
 
 
 def _check_range(name: str, value: float, lo: float, hi: float, *, lo_open: bool = False) -> None:

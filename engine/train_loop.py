@@ -36,7 +36,7 @@ from engine.metrics import UpdateStats, peak_memory_mb, sample_metrics
 from engine.rl.advantages import group_advantages, keep_groups
 from engine.rl.aqn import apply_noise, clear_noise, sigma_for_step
 from engine.rl.loss import effective_mask, loss_denominator, policy_loss
-from engine.spec import RolloutSpec, TrainSpec
+from engine.spec import LORA_SHAPE, RolloutSpec, TrainSpec, same_lora_value
 from engine.train_batch import DataCursor, RolloutBatch, build_batch, encode_prompts
 from engine.types import (OOM_ADVICE, Reporter, TrainError, TrainResult, exception_chain, is_disk_full,
                           is_out_of_memory)
@@ -227,9 +227,9 @@ class _Run:
         except (FileNotFoundError, KeyError, ValueError) as exc:
             raise TrainError("invalid_spec", f"init_adapter {path} is not a PEFT LoRA directory: {exc}") from None
         ours = self.spec.lora
-        for name in ("r", "alpha", "target_modules", "use_rslora"):
+        for name in LORA_SHAPE:
             a, b = getattr(theirs, name), getattr(ours, name)
-            if (sorted(a) != sorted(b)) if name == "target_modules" else a != b:
+            if not same_lora_value(name, a, b):
                 raise TrainError("invalid_spec", f"init_adapter was trained with lora.{name}={a!r}, this job asks "
                                                  f"for {b!r}; set lora.{name} to {a!r} (or leave lora unset)")
         try:

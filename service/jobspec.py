@@ -22,7 +22,7 @@ from typing import Any, Callable
 from engine import registry
 from engine.data.builtin import check_dataset
 from engine.rewards import Grader, build_grader
-from engine.spec import TrainSpec
+from engine.spec import LORA_SHAPE, TrainSpec, same_lora_value
 from engine.types import TrainError
 from service.errors import APIError
 from service.crud import Parent
@@ -114,9 +114,6 @@ def _hyper(body: JobCreate, d: dict[str, Any], qerl: dict[str, Any], rows: int |
     return came_from
 
 
-LORA_SHAPE = ("r", "alpha", "target_modules", "use_rslora")  # what a LoRA trained further keeps
-
-
 def _parent(model: str, lookup_parent: Callable[[str], Parent | None]) -> Parent:
     """The fine-tuned model or kept checkpoint LoRA of this project a job trains further."""
     parent = lookup_parent(model)
@@ -140,8 +137,7 @@ def _inherit_lora(d: dict[str, Any], parent: Parent) -> None:
             continue
         if name in ours:
             a, b = ours[name], theirs[name]
-            same = sorted(a) == sorted(b) if name == "target_modules" and isinstance(a, list) else a == b
-            if not same:
+            if not same_lora_value(name, a, b):
                 raise _invalid(f"qerl.lora.{name}", f"qerl.lora.{name}={a!r}, but {parent.name} was trained with "
                                                     f"{b!r}: a model trained further keeps its LoRA's shape; set "
                                                     f"qerl.lora.{name} to {b!r} or leave it out")
