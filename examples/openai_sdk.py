@@ -2,8 +2,9 @@
 
 qerl answers OpenAI's fine-tuning API, so the SDK works once ``base_url`` points at the server.
 qerl's own options (quantization, LoRA, AQN, rollout, steps) travel in ``extra_body={"qerl": ...}``
-and come back under ``job.model_extra["qerl"]``. What the SDK has no call for, the trained
-adapter and the per-step metrics, comes from ``qerl.client.Client``.
+and come back under ``job.model_extra["qerl"]``. A succeeded job's per-step metrics are its results
+file (``job.result_files``: step_metrics.csv, read with ``files.content``). What the SDK has no call
+for, the trained adapter itself, comes from ``qerl.client.Client``.
 
     qerl serve &                        # embedded mode: prints an API key and saves it locally
     python examples/openai_sdk.py       # reads the server URL and key from that local config
@@ -14,12 +15,15 @@ adapter and the per-step metrics, comes from ``qerl.client.Client``.
 Steps: upload a JSONL file (files.create), try the grader on a right and a wrong answer
 (fine_tuning.alpha.graders.validate and run), create a reinforcement job with it
 (fine_tuning.jobs.create), follow it (retrieve + list_events), list its checkpoints
-(checkpoints.list), then download and verify the LoRA adapter, ready for
+(checkpoints.list), read its per-step metrics (files.content of its results file), then download
+and verify the LoRA adapter, ready for
 ``peft.PeftModel.from_pretrained`` or vLLM's ``LoRARequest``.
 """
 from __future__ import annotations
 
 import argparse
+import csv
+import io
 import json
 import sys
 import tempfile
@@ -112,11 +116,14 @@ def main() -> int:
         reward = ckpt.metrics.model_extra.get("reward_mean") if ckpt.metrics.model_extra else None
         print(f"  checkpoint step {ckpt.step_number}: {ckpt.fine_tuned_model_checkpoint} reward={reward}")
 
-    # 6. what the SDK does not cover: metrics and the adapter itself (sha256 verified on download)
-    evals = [m for m in qerl.metrics(job.id) if "eval/accuracy" in m["values"]]
-    for m in evals:
-        print(f"  eval at step {m['step']}: accuracy {m['values']['eval/accuracy']:.3f}, "
-              f"reward {m['values']['eval/reward_mean']:.3f}")
+    # 6. every step's metrics: the job's results file, a CSV (held-out scores on the steps that evaluated)
+    results = sdk.files.content(job.result_files[0]).text
+    for m in csv.DictReader(io.StringIO(results)):
+        if m["eval/accuracy"]:
+            print(f"  eval at step {m['step']}: accuracy {float(m['eval/accuracy']):.3f}, "
+                  f"reward {float(m['eval/reward_mean']):.3f}")
+
+    # 7. what the SDK does not cover: the adapter itself (sha256 verified on download)
     adapter_id = job.model_extra["qerl"]["adapter_id"]
     out = qerl.download_adapter(adapter_id, args.out / adapter_id)
     print(f"adapter {adapter_id} downloaded and verified in {out}")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
+import tempfile
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
@@ -98,6 +100,8 @@ def _report_outcome(job: dict[str, Any]) -> None:
         adapter = (job.get("qerl") or {}).get("adapter_id")
         if adapter:
             out.print(f"download the adapter: qerl adapters download {adapter} -o ./{adapter}")
+        for f in job.get("result_files") or []:
+            out.print(f"every step's metrics: qerl files download {f}")
         return
     if status == "paused":
         step = ((job.get("qerl") or {}).get("progress") or {})
@@ -116,7 +120,7 @@ def _event_line(ev: dict[str, Any]) -> str:
 
 
 # -- commands ----------------------------------------------------------------------------------
-files_app = typer.Typer(no_args_is_help=True, help="Upload and list training files.")
+files_app = typer.Typer(no_args_is_help=True, help="Upload, list, download and delete files.")
 jobs_app = typer.Typer(no_args_is_help=True, help="Create, follow, pause, resume and cancel fine-tuning jobs.")
 adapters_app = typer.Typer(no_args_is_help=True, help="List, download and delete trained LoRA adapters.")
 
@@ -149,6 +153,35 @@ def files_list(base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJson
         table.add_row(f["id"], escape(f["filename"]), f["purpose"], _size(f["bytes"]),
                       str((f.get("qerl") or {}).get("rows", "")), _when(f.get("created_at")))
     out.print(table)
+
+
+@files_app.command("download")
+@_errors_as_messages
+def files_download(file_id: Annotated[str, typer.Argument(help="file id: an upload, or a job's results file")],
+                   output: Annotated[Optional[str], typer.Option(
+                       "-o", "--output", help="where to write it (default: ./FILENAME; - for stdout)")] = None,
+                   base_url: BaseUrl = None, api_key: ApiKey = None) -> None:
+    """Download a file, sha256-checked: a job's step_metrics.csv (its per-step metrics), or an upload."""
+    with _client(base_url, api_key) as client:
+        if output == "-":
+            with tempfile.TemporaryDirectory() as tmp:
+                sys.stdout.buffer.write(client.download_file(file_id, Path(tmp) / "content").read_bytes())
+            return
+        name = Path(client.get(f"/v1/files/{file_id}")["filename"]).name
+        target = Path(output) if output else Path(name if name not in ("", ".", "..") else file_id)
+        client.download_file(file_id, target)
+    out.print(f"[green]sha256 verified[/] {file_id} written to {escape(str(target))}")
+
+
+@files_app.command("delete")
+@_errors_as_messages
+def files_delete(file_id: str, base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJson = False) -> None:
+    """Delete a file (refused while an unfinished job uses it)."""
+    with _client(base_url, api_key) as client:
+        gone = client.delete_file(file_id)
+    if as_json:
+        return _print_json(gone)
+    out.print(f"deleted {gone['id']}")
 
 
 @jobs_app.command("create")
@@ -279,7 +312,8 @@ def jobs_get(job_id: str, base_url: BaseUrl = None, api_key: ApiKey = None, as_j
             ("quantization", q.get("quantization", "")), ("attempt", f"{q.get('attempt')}/{q.get('max_attempts')}"),
             ("training file", job.get("training_file") or "-"), ("created", _when(job["created_at"])),
             ("started", _when(q.get("started_at"))), ("finished", _when(job.get("finished_at"))),
-            ("fine-tuned model", escape(job.get("fine_tuned_model") or "-")), ("adapter", q.get("adapter_id") or "-")]
+            ("fine-tuned model", escape(job.get("fine_tuned_model") or "-")), ("adapter", q.get("adapter_id") or "-"),
+            ("results file", ", ".join(job.get("result_files") or []) or "-")]
     if job.get("error"):
         rows.append(("error", f"[red]{escape(job['error']['code'])}: {escape(job['error']['message'])}[/]"))
     for k, v in rows:

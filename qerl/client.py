@@ -205,36 +205,55 @@ class Client:
         return self._download(f"/v1/fine_tuning/jobs/{job_id}/checkpoints/{checkpoint_id}/content",
                               f"checkpoint {checkpoint_id}", out_dir, progress)
 
+    def download_file(self, file_id: str, dest: Path) -> Path:
+        """A file's content (an upload, or a job's results file ``step_metrics.csv``) written to
+        ``dest`` once its sha256 matches the server's (a temporary name until then)."""
+        dest = Path(dest)
+        tmp = dest.with_name(f".{dest.name}.part")
+        try:
+            self._fetch_verified(f"/v1/files/{file_id}/content", f"file {file_id}", tmp, None)
+            tmp.replace(dest)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return dest
+
+    def delete_file(self, file_id: str) -> dict[str, Any]:
+        return self.delete(f"/v1/files/{file_id}")
+
     def _download(self, path: str, what: str, out_dir: Path, progress: Callable[[int, int], None] | None) -> Path:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         tmp = out_dir / f".{path.rstrip('/').split('/')[-2]}.tar.gz.part"
-        digest = hashlib.sha256()
         try:
-            with self.http.stream("GET", path, timeout=httpx.Timeout(30.0, read=300.0)) as resp:
-                if resp.status_code >= 400:
-                    resp.read()
-                    self._check(resp)
-                expected = resp.headers.get("X-Checksum-Sha256") or resp.headers.get("etag", "").strip('"')
-                total = int(resp.headers.get("content-length") or 0)
-                with tmp.open("wb") as fh:
-                    for chunk in resp.iter_bytes(1 << 16):
-                        fh.write(chunk)
-                        digest.update(chunk)
-                        if progress:
-                            progress(len(chunk), total)
-            if not expected:
-                raise QerlError(502, f"{what}: the server sent no X-Checksum-Sha256 header; "
-                                     "the download cannot be verified")
-            if digest.hexdigest() != expected:
-                raise QerlError(502, f"{what}: sha256 {digest.hexdigest()} does not match the "
-                                     f"server's {expected}; download it again")
+            self._fetch_verified(path, what, tmp, progress)
             with tarfile.open(tmp) as tar:
                 tar.extractall(out_dir, filter="data")
         finally:
             tmp.unlink(missing_ok=True)
         verify_adapter_dir(out_dir)
         return out_dir
+
+    def _fetch_verified(self, path: str, what: str, tmp: Path, progress: Callable[[int, int], None] | None) -> None:
+        """GET ``path`` into ``tmp``; QerlError unless its sha256 is the server's X-Checksum-Sha256."""
+        digest = hashlib.sha256()
+        with self.http.stream("GET", path, timeout=httpx.Timeout(30.0, read=300.0)) as resp:
+            if resp.status_code >= 400:
+                resp.read()
+                self._check(resp)
+            expected = resp.headers.get("X-Checksum-Sha256") or resp.headers.get("etag", "").strip('"')
+            total = int(resp.headers.get("content-length") or 0)
+            with tmp.open("wb") as fh:
+                for chunk in resp.iter_bytes(1 << 16):
+                    fh.write(chunk)
+                    digest.update(chunk)
+                    if progress:
+                        progress(len(chunk), total)
+        if not expected:
+            raise QerlError(502, f"{what}: the server sent no X-Checksum-Sha256 header; "
+                                 "the download cannot be verified")
+        if digest.hexdigest() != expected:
+            raise QerlError(502, f"{what}: sha256 {digest.hexdigest()} does not match the "
+                                 f"server's {expected}; download it again")
 
 
 def verify_adapter_dir(path: Path) -> dict[str, Any]:

@@ -179,15 +179,24 @@ def events_since(session: Session, job_id: str, after: int, limit: int = 500) ->
     return list(session.scalars(_EVENTS_SINCE, {"job_id": job_id, "after": after, "n": limit}))
 
 
-def latest_metrics(session: Session, job_id: str, *, after_step: int | None, limit: int) -> tuple[list[JobMetric], bool]:
+def _latest_metrics(job_id: str) -> Select[tuple[JobMetric]]:
     """One row per step: the one from the latest attempt (a resumed job may re-run steps)."""
     best = (select(JobMetric.step, func.max(JobMetric.attempt).label("attempt"))
             .where(JobMetric.job_id == job_id).group_by(JobMetric.step).subquery())
-    stmt = (select(JobMetric).join(best, and_(JobMetric.step == best.c.step, JobMetric.attempt == best.c.attempt))
+    return (select(JobMetric).join(best, and_(JobMetric.step == best.c.step, JobMetric.attempt == best.c.attempt))
             .where(JobMetric.job_id == job_id))
+
+
+def latest_metrics(session: Session, job_id: str, *, after_step: int | None, limit: int) -> tuple[list[JobMetric], bool]:
+    stmt = _latest_metrics(job_id)
     if after_step is not None:
         stmt = stmt.where(JobMetric.step > after_step)
     return page(session, stmt.order_by(JobMetric.step.asc()), limit)
+
+
+def all_metrics(session: Session, job_id: str) -> list[JobMetric]:
+    """Every step's metrics (the latest attempt's), in step order."""
+    return list(session.scalars(_latest_metrics(job_id).order_by(JobMetric.step.asc())))
 
 
 def list_checkpoints(session: Session, job_id: str, *, after: str | None, limit: int) -> tuple[list[Checkpoint], bool]:

@@ -99,6 +99,7 @@ class Job(Base):
     error_param: Mapped[str | None] = mapped_column(String(255), nullable=True)
     fine_tuned_model: Mapped[str | None] = mapped_column(String(255), nullable=True)
     adapter_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    result_file_id: Mapped[str | None] = mapped_column(String(40), nullable=True)  # step_metrics.csv
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)

@@ -219,8 +219,9 @@ def latest_checkpoint(session: Session, job_id: str) -> Checkpoint | None:
 
 # -- outcomes ---------------------------------------------------------------------------------
 def finish(session: Session, job_id: str, attempt: int, status: str, *, error_code: str | None = None,
-           error_message: str | None = None, adapter: Any = None) -> str:
-    """End the job (fenced). ``adapter`` (an Adapter row) goes in with ``succeeded``.
+           error_message: str | None = None, adapter: Any = None, results: Any = None) -> str:
+    """End the job (fenced). ``adapter`` (an Adapter row) and ``results`` (the File row of its
+    step_metrics.csv, optional) go in with ``succeeded``.
 
     A job whose cancel arrived after the last heartbeat ends ``cancelled`` even if the run
     completed (the user was told it is cancelling); the status written is returned.
@@ -235,6 +236,9 @@ def finish(session: Session, job_id: str, attempt: int, status: str, *, error_co
         if adapter is None:
             raise ValueError("finish(succeeded) needs the Adapter row")
         session.add(adapter)
+        if results is not None:
+            session.add(results)
+            values.update(result_file_id=results.id)
         session.flush()  # assigns the id
         values.update(adapter_id=adapter.id, fine_tuned_model=adapter.name)
         msg, level = "The job has successfully completed", "info"

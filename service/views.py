@@ -76,7 +76,7 @@ def job_view(j: m.Job) -> s.FineTuningJob:
     return s.FineTuningJob(
         id=j.id, created_at=unix(j.created_at) or 0, error=error, fine_tuned_model=j.fine_tuned_model,
         finished_at=unix(j.finished_at), hyperparameters=hyper, model=j.model, organization_id=j.project,
-        result_files=[], seed=j.seed, status=j.status, estimated_finish=_estimated_finish(j),
+        result_files=[j.result_file_id] if j.result_file_id else [], seed=j.seed, status=j.status, estimated_finish=_estimated_finish(j),
         trained_tokens=j.trained_tokens if j.status in TERMINAL else None,
         training_file=j.training_file, validation_file=j.validation_file, metadata=j.user_metadata,
         method={"type": "reinforcement", "reinforcement": {"grader": spec.get("grader"), "hyperparameters": hyper}},

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -76,7 +77,9 @@ def lcs(a: str, b: str) -> int:
 @pytest.mark.parametrize("grader", [ANSWER, MULTI, PY_OK, {"type": "reasoning_gym", "task": "products"},
                                     {"type": "text_similarity", "input": "{{sample.output_text}}",
                                      "reference": "{{item.ref}}", "evaluation_metric": "fuzzy_match",
-                                     "pass_threshold": 0.8}])
+                                     "pass_threshold": 0.8},
+                                    {"type": "text_similarity", "input": "{{sample.output_text}}",
+                                     "reference": "{{item.ref}}", "evaluation_metric": "rouge_l"}])
 def test_validate_returns_the_grader_as_given(client, key_a, grader):
     resp = client.post(VALIDATE, headers=key_a.headers, json={"grader": grader})
     assert resp.status_code == 200, resp.text
@@ -92,8 +95,10 @@ BAD = [  # (grader, param, words of the message)
     (MULTI | {"calculate_output": "1e999 * format"}, "grader.calculate_output", "out of range"),
     ({**MULTI, "graders": {"format": FORMAT | {"pattern": "(<think>"}, "answer": MATH}},
      "grader.graders.format.pattern", "not a valid regular expression"),
-    ({"type": "text_similarity", "input": "{{sample.output_text}}", "reference": "x", "evaluation_metric": "bleu"},
-     "grader.evaluation_metric", "must be one of fuzzy_match"),
+    ({"type": "text_similarity", "input": "{{sample.output_text}}", "reference": "x", "evaluation_metric": "cosine"},
+     "grader.evaluation_metric", "'cosine' is not available: it needs an embedding model"),
+    ({"type": "text_similarity", "input": "{{sample.output_text}}", "reference": "x", "evaluation_metric": "rouge"},
+     "grader.evaluation_metric", "must be one of fuzzy_match, bleu, gleu, meteor, rouge_1, rouge_2, rouge_3"),
     ({"type": "text_similarity", "input": "{{sample.output_text}}", "reference": "x",
       "evaluation_metric": "fuzzy_match", "pass_threshold": 10**400}, "grader.pass_threshold", "finite number"),
     (ANSWER | {"input": "{{sample.text}}"}, "grader.input", "unknown template variable {{sample.text}}"),
@@ -166,6 +171,21 @@ def test_run_text_similarity_is_the_lcs_ratio(client, key_a):
     expected = 2 * lcs(sample, ref) / (len(sample) + len(ref))
     assert 0.3 < expected < 0.95
     assert_scored(run(client, key_a, grader, sample, {"ref": ref}), expected, {"close": expected})
+
+
+def test_run_text_similarity_rouge_l_and_bleu_are_the_libraries(client, key_a):
+    from nltk.translate.bleu_score import SmoothingFunction, sentence_bleu
+    from rouge_score.rouge_scorer import RougeScorer
+
+    sample, ref = "The quick brown fox jumps over the lazy dog.", "A quick brown dog leaps over lazy foxes."
+    rouge_l = RougeScorer(["rougeL"]).score(ref, sample)["rougeL"].fmeasure
+    hyp, ref_words = (re.findall(r"\w+|[^\w\s]", text.lower()) for text in (sample, ref))  # the grader's tokens
+    bleu = sentence_bleu([ref_words], hyp, smoothing_function=SmoothingFunction().method1)
+    assert 0.1 < rouge_l < 0.9 and 0.01 < bleu < 0.9
+    for metric, expected in (("rouge_l", rouge_l), ("bleu", bleu)):
+        grader = {"type": "text_similarity", "name": "close", "input": "{{sample.output_text}}",
+                  "reference": "{{item.ref}}", "evaluation_metric": metric}
+        assert_scored(run(client, key_a, grader, sample, {"ref": ref}), expected, {"close": expected})
 
 
 def test_run_math_answer(client, key_a):

@@ -3,6 +3,7 @@ model with the real engine: upload, create, watch (progress rendered, exit 0), e
 download (sha256 checked) and PEFT loading the downloaded adapter."""
 from __future__ import annotations
 
+import csv
 import hashlib
 import io
 import json
@@ -62,6 +63,34 @@ def test_list_get_and_events(cli_job: CliJob, qerl_server: Served) -> None:
     assert [e["data"]["step"] for e in streamed if e["type"] == "metrics"] == list(range(1, STEPS + 1))
     plain = qerl_server.qerl("jobs", "events", cli_job.job_id)
     assert plain.returncode == 0 and f"Step {STEPS}/{STEPS}" in plain.stdout
+
+
+def test_the_results_file_holds_every_steps_metrics(cli_job: CliJob, qerl_server: Served, tmp_path: Path) -> None:
+    [results] = cli_job.job["result_files"]
+    got = qerl_server.qerl("jobs", "get", cli_job.job_id)
+    assert results in got.stdout and f"qerl files download {results}" in cli_job.watch.stdout
+    listed = json.loads(qerl_server.qerl("files", "list", "--json").stdout)
+    assert {"id": results, "filename": "step_metrics.csv", "purpose": "fine-tune-results"}.items() <= next(
+        f for f in listed if f["id"] == results).items()
+    to_stdout = qerl_server.qerl("files", "download", results, "-o", "-")
+    assert to_stdout.returncode == 0, to_stdout.stderr
+    table = list(csv.DictReader(io.StringIO(to_stdout.stdout)))
+    metrics = httpx.get(f"{qerl_server.url}/v1/fine_tuning/jobs/{cli_job.job_id}/metrics", params={"limit": 1000},
+                        headers=qerl_server.headers).json()["data"]
+    assert [int(r["step"]) for r in table] == [m["step"] for m in metrics]
+    assert [m["step"] for m in metrics if m["step"] > 0] == list(range(1, STEPS + 1))
+    for row, m in zip(table, metrics):
+        assert {k: float(v) for k, v in row.items() if v and k != "step"} == m["values"]
+    raw = httpx.get(f"{qerl_server.url}/v1/files/{results}/content", headers=qerl_server.headers)
+    assert raw.headers["content-type"].startswith("text/csv") and raw.text == to_stdout.stdout
+    only = httpx.get(f"{qerl_server.url}/v1/files", params={"purpose": "fine-tune-results"},
+                     headers=qerl_server.headers).json()["data"]
+    assert results in [f["id"] for f in only] and {f["purpose"] for f in only} == {"fine-tune-results"}
+    saved = qerl_server.qerl("files", "download", results, "-o", str(tmp_path / "m.csv"))
+    assert saved.returncode == 0 and (tmp_path / "m.csv").read_text() == to_stdout.stdout, saved.stderr
+    # a results file is not training data
+    bad = qerl_server.qerl("jobs", "create", "--model", "tiny", "--training-file", results, "--steps", "1")
+    assert bad.returncode == 1 and "purpose=fine-tune" in bad.stdout + bad.stderr
 
 
 def test_download_verifies_and_peft_loads_the_adapter(cli_job: CliJob, qerl_server: Served, tmp_path: Path,

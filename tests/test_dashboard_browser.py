@@ -1,7 +1,7 @@
 """The dashboard in real headless Chromium (Debian's chromium + chromedriver, driven by selenium)
 against the live embedded server after a real job: sign in with the key, the jobs list shows
 the finished job, its charts draw the points the API holds (read back from the page and from
-the canvas pixels), events, checkpoints and the adapter download (sha256 checked in the page).
+the canvas pixels), events, checkpoints, the adapter and the results file downloads (sha256 checked in the page).
 Screenshots go to test-artifacts/. Skips when chromium, chromedriver or selenium is missing."""
 from __future__ import annotations
 
@@ -144,6 +144,11 @@ def test_dashboard_shows_the_finished_job_with_its_curves(browser, cli_job: CliJ
     driver.find_element(By.ID, "adapter-download").click()
     status = _wait(driver, lambda d: (lambda t: t if t not in ("", "downloading…") else None)(
         d.find_element(By.CSS_SELECTOR, "#adapter .ok, #adapter .error").text), what="the adapter download")
+    assert status == "sha256 verified"
+    # and its results file, every step's metrics as CSV
+    driver.find_element(By.ID, "results-download").click()
+    status = _wait(driver, lambda d: (lambda t: t if t not in ("", "downloading…") else None)(
+        d.find_element(By.ID, "results-status").text), what="the results file download")
     assert status == "sha256 verified"
     assert (ARTIFACTS / "dashboard-job.png").stat().st_size > 10_000
 

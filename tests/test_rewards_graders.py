@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import re
 import subprocess
 import sys
 
@@ -9,7 +10,7 @@ import pytest
 
 from engine.rewards import build_grader
 from engine.rewards.math_answer import extract_answer
-from engine.rewards.text import fuzzy_ratio
+from engine.rewards.text import SIMILARITY_METRICS, fuzzy_ratio
 
 S = "{{sample.output_text}}"
 
@@ -80,11 +81,114 @@ def test_text_similarity_grader():
     score, _ = g("hello word", {"ref": "hello world"})
     assert score == pytest.approx(2 * 10 / 21) and g.passed(score)
     assert not g.passed(g("xyz", {"ref": "hello world"})[0])
-    with pytest.raises(ValueError, match="evaluation_metric must be one of fuzzy_match"):
-        build_grader({"type": "text_similarity", "input": S, "reference": "x", "evaluation_metric": "meteor"})
+    with pytest.raises(ValueError, match="evaluation_metric must be one of fuzzy_match, bleu, gleu, meteor, "
+                                         "rouge_1, rouge_2, rouge_3, rouge_4, rouge_5, rouge_l; got 'rouge_6'"):
+        build_grader({"type": "text_similarity", "input": S, "reference": "x", "evaluation_metric": "rouge_6"})
     with pytest.raises(ValueError, match="pass_threshold must be in"):
         build_grader({"type": "text_similarity", "input": S, "reference": "x", "evaluation_metric": "fuzzy_match",
                       "pass_threshold": 2})
+
+
+LIBRARY_METRICS = [m for m in SIMILARITY_METRICS if m != "fuzzy_match"]
+PAIRS = [  # (input, reference)
+    ("The cat sat on the mat.", "A cat is sitting on the mat"),
+    ("Paris is the capital of France.", "The capital of France is Paris."),
+    ("running dogs jumped over fences", "the dog runs and jumps over the fence"),
+    ("one two three four five six", "one two three four five six seven eight"),
+    ("x", "x y"),
+]
+
+
+class _NoWordNet:
+    @staticmethod
+    def synsets(*args, **kwargs):
+        return []
+
+
+def library_similarity(metric: str, a: str, b: str) -> float:
+    """nltk / rouge-score called directly on (input a, reference b), tokenized as the grader documents."""
+    from nltk.translate.bleu_score import SmoothingFunction, sentence_bleu
+    from nltk.translate.gleu_score import sentence_gleu
+    from nltk.translate.meteor_score import meteor_score
+    from rouge_score.rouge_scorer import RougeScorer
+
+    if not a.strip() or not b.strip():
+        return float(not a.strip() and not b.strip())
+    if metric.startswith("rouge_"):
+        kind = "rougeL" if metric == "rouge_l" else "rouge" + metric[-1]
+        return RougeScorer([kind]).score(b, a)[kind].fmeasure
+    hyp, ref = re.findall(r"\w+|[^\w\s]", a.lower()), re.findall(r"\w+|[^\w\s]", b.lower())
+    if metric == "bleu":
+        return sentence_bleu([ref], hyp, smoothing_function=SmoothingFunction().method1, auto_reweigh=True)
+    if metric == "gleu":
+        return sentence_gleu([ref], hyp)
+    return meteor_score([ref], hyp, wordnet=_NoWordNet)
+
+
+def similarity_grader(metric: str):
+    return build_grader({"type": "text_similarity", "name": "sim", "input": S, "reference": "{{item.ref}}",
+                         "evaluation_metric": metric})
+
+
+@pytest.mark.parametrize("metric", LIBRARY_METRICS)
+def test_text_similarity_metrics_equal_the_libraries(metric):
+    g = similarity_grader(metric)
+    for a, b in PAIRS:
+        assert g(a, {"ref": b})[0] == pytest.approx(library_similarity(metric, a, b), abs=1e-12), (a, b)
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    vocab = "the a cat dog runs ran mat on sat sits over , .".split()
+    for _ in range(100):
+        a = " ".join(rng.choice(vocab) for _ in range(rng.randint(0, 20)))
+        b = " ".join(rng.choice(vocab) for _ in range(rng.randint(0, 20)))
+        score = g(a, {"ref": b})[0]
+        assert 0.0 <= score <= 1.0 and score == pytest.approx(library_similarity(metric, a, b), abs=1e-12), \
+            f"seed {seed}: {a!r} vs {b!r}"
+
+
+@pytest.mark.parametrize("metric", LIBRARY_METRICS)
+def test_text_similarity_metrics_edge_cases(metric):
+    g = similarity_grader(metric)
+    text = "the quick brown fox jumps over the lazy dog"
+    # METEOR's fragmentation penalty keeps one chunk of n matched words at 1 - 0.5 / n**3
+    assert g(text.upper(), {"ref": text})[0] == pytest.approx(1 - 0.5 / 9**3 if metric == "meteor" else 1.0)
+    assert g("alpha beta gamma delta epsilon", {"ref": text})[0] == 0.0
+    assert g("", {"ref": ""})[0] == 1.0 and g("  ", {"ref": "\n"})[0] == 1.0
+    assert g("", {"ref": text})[0] == 0.0 and g(text, {"ref": " "})[0] == 0.0
+
+
+def test_meteor_matches_stems_without_wordnet():
+    g = similarity_grader("meteor")
+    assert g("dogs running", {"ref": "dog runs"})[0] > 0.4  # Porter stems: dog, run
+    assert g("automobile", {"ref": "car"})[0] == 0.0  # WordNet synonyms, not used
+
+
+def test_rouge_scorer_is_built_once_per_grader(monkeypatch):
+    from rouge_score import rouge_scorer
+
+    samples = ("a b c", "b c d", "c d e")
+    want = [library_similarity("rouge_l", a, "a b c d") for a in samples]
+    built = []
+
+    class Counting(rouge_scorer.RougeScorer):
+        def __init__(self, *args, **kwargs):
+            built.append(args)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(rouge_scorer, "RougeScorer", Counting)
+    g = similarity_grader("rouge_l")
+    assert built == []  # built on the first score, not when a config is validated
+    assert [g(a, {"ref": "a b c d"})[0] for a in samples] == pytest.approx(want)
+    assert built == [(["rougeL"],)]
+
+
+def test_cosine_is_refused_with_the_metrics_available():
+    with pytest.raises(ValueError) as err:
+        build_grader({"type": "multi", "graders": {"sim": {"type": "text_similarity", "input": S, "reference": "x",
+                                                           "evaluation_metric": "cosine"}}, "calculate_output": "sim"})
+    message = str(err.value)
+    assert message.startswith("grader.graders.sim.evaluation_metric 'cosine' is not available")
+    assert "embedding model" in message and message.endswith(", ".join(SIMILARITY_METRICS))
 
 
 @pytest.mark.parametrize("text,want", [
@@ -236,5 +340,8 @@ def test_reasoning_gym_grader_uses_the_task_scorer():
 def test_rewards_and_upload_validation_do_not_import_torch():
     code = ("import sys, engine.rewards, engine.data.jsonl, engine.data; "
             "engine.rewards.build_grader({'type': 'string_check', 'input': 'a', 'reference': 'b', 'operation': 'eq'}); "
-            "assert 'torch' not in sys.modules, 'torch imported'")
+            "engine.rewards.build_grader({'type': 'text_similarity', 'input': 'a', 'reference': 'b', "
+            "'evaluation_metric': 'rouge_l'}); "
+            "assert 'torch' not in sys.modules, 'torch imported'; "
+            "assert not {'nltk', 'rouge_score'} & set(sys.modules), 'similarity libraries imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -2,7 +2,9 @@
 success with a downloadable adapter, failures with codes, cancel, shutdown-and-resume, lease loss."""
 from __future__ import annotations
 
+import csv
 import hashlib
+import io
 import tarfile
 import threading
 import time
@@ -84,6 +86,44 @@ def test_success_packs_a_peft_adapter_and_records_progress(ctx, sessions):
         assert len(final_evals) == 1  # the end's evaluation ran once, before the last checkpoint
         assert adapter.manifest["metrics"]["eval/reward_mean"] == evals[3]["eval/reward_mean"]
         assert all(not Path(c.path).is_absolute() and c.path.startswith(f"jobs/{job.id}/checkpoints/") for c in ckpts)
+        # the results file (OpenAI's result_files): every step's metrics as CSV, a file of the job's project
+        results = s.get(File, got.result_file_id)
+        assert (results.project, results.filename, results.purpose, results.rows) == (
+            got.project, "step_metrics.csv", "fine-tune-results", 4)
+        data = (art / results.path).read_bytes()
+        assert results.sha256 == hashlib.sha256(data).hexdigest() and results.bytes == len(data)
+        table = list(csv.DictReader(io.StringIO(data.decode())))
+        assert [int(r["step"]) for r in table] == [0, 1, 2, 3]
+        for row, m in zip(table, _metrics(s, job.id)):
+            assert {k: float(v) for k, v in row.items() if v and k != "step"} == pytest.approx(m.values, rel=0, abs=0)
+        assert [bool(r["eval/reward_mean"]) for r in table] == [True, False, True, True]
+
+
+def test_a_job_cancelled_as_it_succeeds_leaves_neither_adapter_nor_results_file(ctx, sessions, monkeypatch):
+    """The cancel lands between packing the adapter and recording success: the job ends cancelled,
+    and the adapter archive and results file written for it are removed, with no rows."""
+    import worker.runner as runner
+
+    packed_real = runner.pack_adapter
+
+    def pack_then_cancel(*args, **kw):  # type: ignore[no-untyped-def]
+        packed = packed_real(*args, **kw)
+        with sessions() as s:  # the API's cancel
+            queue.cancel(s, s.get(Job, job.id))
+            s.commit()
+        return packed
+
+    monkeypatch.setattr(runner, "pack_adapter", pack_then_cancel)
+    with sessions() as s:
+        job = make_job(s, tiny_spec("tiny", steps=1))
+    assert run_job(ctx, job.id) == "cancelled"
+    art = Path(ctx.settings.artifact_dir)
+    with sessions() as s:
+        got = s.get(Job, job.id)
+        assert (got.status, got.adapter_id, got.result_file_id) == ("cancelled", None, None)
+        assert s.scalars(select(File).where(File.purpose == "fine-tune-results", File.created_at >= got.created_at)
+                         ).all() == []
+    assert list((art / "adapters").iterdir()) == [] and list((art / "files").iterdir()) == []
 
 
 def test_a_job_training_a_model_further_fails_clearly_when_its_start_is_gone_or_corrupt(ctx, sessions):

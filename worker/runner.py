@@ -25,8 +25,9 @@ from sqlalchemy.orm import Session
 import engine
 from engine.spec import TrainSpec
 from engine.types import OOM_ADVICE, TrainError, is_disk_full, is_out_of_memory
-from service import queue
+from service import crud, queue
 from service.models import Adapter, Checkpoint, File, Job, new_id
+from service.results import RESULTS_FILENAME, RESULTS_PURPOSE, step_metrics_csv
 from service.storage import ArtifactStore, Corrupt
 from service.views import base_model_of, fine_tuned_model_name
 from worker.artifacts import job_workdir, pack_adapter
@@ -217,10 +218,34 @@ def _succeed(ctx: WorkerContext, keeper: LeaseKeeper, job: Job, adapter_dir: Pat
     adapter = Adapter(id=adapter_id, project=job.project, job_id=job.id, name=fine_tuned_model_name(job),
                       base_model=base_model_of(job), path=packed.path, bytes=packed.bytes, sha256=packed.sha256,
                       manifest=packed.manifest)
-    final = _end(ctx, keeper, job, "succeeded", adapter=adapter)
-    if final != "succeeded":  # cancelled at the last moment, or lease lost: the tarball is nobody's
+    try:
+        results = _results_file(ctx, keeper, job, artifact_dir)
+    except Exception as exc:  # noqa: BLE001
         (artifact_dir / packed.path).unlink(missing_ok=True)
+        if isinstance(exc, queue.LeaseLost):
+            return _lease_lost(job)
+        code, message = _classify(exc, job.id, artifact_dir)
+        return _end(ctx, keeper, job, "failed", error_code=code, error_message=message)
+    final = _end(ctx, keeper, job, "succeeded", adapter=adapter, results=results)
+    if final != "succeeded":  # cancelled at the last moment, or lease lost: the files are nobody's
+        (artifact_dir / packed.path).unlink(missing_ok=True)
+        (artifact_dir / results.path).unlink(missing_ok=True)
     return final
+
+
+def _results_file(ctx: WorkerContext, keeper: LeaseKeeper, job: Job, artifact_dir: Path) -> File:
+    """step_metrics.csv in the artifact store, and its File row (not yet added: it goes in with
+    the job's success, so a job that does not end succeeded leaves only a file to delete)."""
+    def read() -> bytes:
+        with ctx.sessions() as s:
+            return step_metrics_csv(crud.all_metrics(s, job.id))
+
+    data = keeper.retry(read, "reading the metrics for the results file")
+    file_id = new_id("file")
+    blob = ArtifactStore(artifact_dir).stage([data]).publish(f"files/{file_id}.csv")
+    return File(id=file_id, project=job.project, filename=RESULTS_FILENAME, purpose=RESULTS_PURPOSE,
+                bytes=blob.bytes, sha256=blob.sha256, path=blob.path, rows=data.count(b"\n") - 1,
+                status="processed")
 
 
 def _lease_lost(job: Job) -> str:

@@ -1,4 +1,5 @@
-"""/v1/files: JSONL uploads for fine-tuning (multipart, purpose=fine-tune)."""
+"""/v1/files: JSONL uploads for fine-tuning (multipart, purpose=fine-tune), and the results files of
+succeeded jobs (step_metrics.csv, purpose=fine-tune-results)."""
 from __future__ import annotations
 
 from typing import Literal
@@ -14,6 +15,7 @@ from service.auth import CurrentKey
 from service.deps import ReleasingRoute, SessionDep, SettingsDep, StoreDep
 from service.errors import APIError, not_found
 from service.models import File, new_id
+from service.results import RESULTS_PURPOSE
 from service.schemas import FileDeleted, FileObject, ListPage
 from service.storage import TooLarge, iter_chunks, verified_artifact
 from service.views import file_view
@@ -98,13 +100,15 @@ def get_file(file_id: str, key: CurrentKey, session: SessionDep) -> FileObject:
 
 
 @router.get("/{file_id}/content", response_class=FileResponse,
-            responses={200: {"content": {"application/jsonl": {}}, "description": "The JSONL file as uploaded"}})
+            responses={200: {"content": {"application/jsonl": {}, "text/csv": {}},
+                             "description": "The JSONL file as uploaded, or a job's step_metrics.csv"}})
 def file_content(file_id: str, key: CurrentKey, session: SessionDep, store: StoreDep) -> Response:
     f = crud.get_file(session, key.project, file_id)
     if f is None:
         raise not_found("file", file_id, "file_id")
     path = verified_artifact(store, f.path, f.sha256, f"file {file_id}")
-    return FileResponse(path, media_type="application/jsonl", filename=f.filename,
+    media_type = "text/csv" if f.purpose == RESULTS_PURPOSE else "application/jsonl"
+    return FileResponse(path, media_type=media_type, filename=f.filename,
                         headers={"X-Checksum-Sha256": f.sha256, "ETag": f'"{f.sha256}"'})
 
 

@@ -327,7 +327,7 @@
       document.getElementById('job-resume').hidden = j.status !== 'paused';
       main.dataset.status = j.status;
       if (p.step !== lastStep) { lastStep = p.step; loadCheckpoints(); }
-      if (j.qerl.adapter_id) showAdapter(j.qerl.adapter_id);
+      if (j.qerl.adapter_id) showAdapter(j.qerl.adapter_id, j.result_files || []);
     }
 
     async function loadCheckpoints() {
@@ -347,7 +347,7 @@
     }
 
     let adapterShown = null;
-    async function showAdapter(adapterId) {
+    async function showAdapter(adapterId, resultFiles) {
       if (adapterShown === adapterId) return;
       adapterShown = adapterId;
       const a = await getJSON(`/v1/adapters/${adapterId}`, { signal: abort.signal });
@@ -360,7 +360,13 @@
           el('dt', {}, 'Base model'), el('dd', {}, a.base_model), el('dt', {}, 'Size'), el('dd', {}, size(a.bytes)),
           el('dt', {}, 'sha256'), el('dd', {}, el('code', {}, a.sha256))),
         button, ' ', status,
-        el('pre', { class: 'cmd' }, `qerl adapters download ${a.id} -o ./${a.id}`));
+        el('pre', { class: 'cmd' }, `qerl adapters download ${a.id} -o ./${a.id}`),
+        ...resultFiles.map((f) => {
+          const done = el('span', { class: 'muted', id: 'results-status' });
+          return el('p', {}, el('button', { type: 'button', id: 'results-download', onclick: () => download(
+            `/v1/files/${f}/content`, `${jobId}-step_metrics.csv`, null, done) }, 'Download every step\'s metrics (.csv)'),
+          ' ', done);
+        }));
     }
 
     async function download(path, filename, sha256, status) {
