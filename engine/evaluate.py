@@ -48,13 +48,13 @@ def grade(grader: Any, completions: list[Any], items: list[dict[str, Any]]
     from engine.types import TrainError
 
     scores, parts, correct = [], [], []
-    for c, item in zip(completions, items):
-        try:
-            score, p = grader(c.text, item)
-        except TrainError:  # the grader's own code (a python grader's grader_error): as it is
-            raise
-        except ValueError as exc:
-            raise TrainError("invalid_dataset", str(exc)) from None
+    try:
+        graded = grader.batch([c.text for c in completions], items)
+    except TrainError:  # the grader's own failure (grader_error: a python grader's code, a judge model): as it is
+        raise
+    except ValueError as exc:
+        raise TrainError("invalid_dataset", str(exc)) from None
+    for score, p in graded:
         if not math.isfinite(float(score)):  # would turn every advantage and the adapter into NaN
             raise TrainError("grader_error", f"the grader {getattr(grader, 'name', '')!r} returned {score} for a "
                                              f"sample (parts {p}); keep its output finite (calculate_output's "

@@ -6,8 +6,9 @@ cost grows with the product of its two texts. Each run starts ``python -m servic
 which caps its own memory and CPU, builds the grader with ``engine.rewards`` (what the worker
 builds) and calls it once on (sample, item), as the training loop grades a completion; a python
 grader inside it runs in its own sandbox with its own limits (``engine.rewards.python_grader``).
-The parent allows ``BASE_S`` plus each python grader's wall time, then kills the process and the
-sandboxes it started.
+A model grader asks the judge the server's QERL_GRADER_* settings name. The parent allows
+``BASE_S`` plus each python grader's wall time and each model grader's request timeout, then kills
+the process and the sandboxes it started.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from typing import Any
 
 BASE_S = 10.0  # wall seconds for everything but the python graders' sandboxes
 MEMORY_MB = 2048  # address space of the process (a python grader's sandbox gets its own 1024)
+JUDGE_SETTINGS = ("QERL_GRADER_BASE_URL", "QERL_GRADER_API_KEY", "QERL_GRADER_TIMEOUT_SECONDS",
+                  "QERL_GRADER_CONCURRENCY")  # what a model grader reads
 ROOT = Path(__file__).resolve().parents[1]  # where ``service`` and ``engine`` import from, installed or not
 
 
@@ -35,7 +38,10 @@ def budget_s(grader: Any) -> float:
     def python_s(g: Any) -> float:
         if isinstance(g, MultiGrader):
             return sum(python_s(sub) for sub in g.graders.values())
-        return g.limits.startup_s + g.limits.wall_s + 1.0 if isinstance(g, PythonGrader) else 0.0
+        if isinstance(g, PythonGrader):
+            return g.limits.startup_s + g.limits.wall_s + 1.0
+        judge = getattr(g, "judge", None)  # a model grader: one request's time
+        return judge.timeout_s if judge is not None else 0.0
 
     return BASE_S + python_s(grader)
 
@@ -54,8 +60,9 @@ def run(grader_cfg: dict[str, Any], grader: Any, sample: str, item: dict[str, An
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "HOME": str(Path.home()),
                "PYTHONPATH": str(ROOT), "TMPDIR": tmp, "QERL_DATA_DIR": str(data_dir),
                "ARTIFACT_DIR": str(artifact_dir)}
-        if os.environ.get("QERL_CACHE_DIR"):
-            env["QERL_CACHE_DIR"] = os.environ["QERL_CACHE_DIR"]
+        for name in ("QERL_CACHE_DIR", *JUDGE_SETTINGS):
+            if os.environ.get(name):
+                env[name] = os.environ[name]
         start = time.monotonic()
         proc = subprocess.Popen([sys.executable, "-s", "-m", "service.grader_run"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp, env=env,
@@ -111,6 +118,7 @@ def _children(pid: int) -> list[int]:
 def _grade(job: dict[str, Any]) -> dict[str, Any]:
     """Build the grader and call it once, as engine.evaluate.grade does; failures as data."""
     from engine.rewards import build_grader
+    from engine.rewards.model_grader import ModelGraderError
     from engine.rewards.multi import MultiGrader
     from engine.rewards.python_grader import GraderError
 
@@ -119,6 +127,8 @@ def _grade(job: dict[str, Any]) -> dict[str, Any]:
     try:
         score, parts = grader(job["sample"], job["item"])
         score = float(score)
+    except ModelGraderError as exc:  # the judge failed, refused, or answered nothing readable
+        failure = {"error": f"model_{exc.kind}", "message": str(exc)}
     except GraderError as exc:  # the user's python code raised, or hit a limit of its sandbox
         failure = {"error": "python_timeout" if exc.timed_out else "python_runtime", "message": str(exc)}
     except (OSError, subprocess.SubprocessError) as exc:  # its sandbox could not be started

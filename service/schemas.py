@@ -258,7 +258,7 @@ class GraderValidated(BaseModel):
 
 
 class GraderRunErrors(BaseModel):
-    """OpenAI's error flags of a grader run; the model-grader ones never apply here."""
+    """OpenAI's error flags of a grader run."""
 
     model_config = ConfigDict(protected_namespaces=())
     formula_parse_error: bool = False

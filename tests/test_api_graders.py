@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 from qerl.cli import app as cli_app
 from service import grader_run
 from service.routes import graders as graders_route
+from tests._judge import KEY, start_judge
 from tests.test_api_files import assert_error
 from tests.test_api_jobs import MODEL, RG
 
@@ -103,7 +104,11 @@ BAD = [  # (grader, param, words of the message)
       "evaluation_metric": "fuzzy_match", "pass_threshold": 10**400}, "grader.pass_threshold", "finite number"),
     (ANSWER | {"input": "{{sample.text}}"}, "grader.input", "unknown template variable {{sample.text}}"),
     (ANSWER | {"labels": ["a"]}, "grader.labels", "is not a field of a string_check grader"),
-    ({"type": "score_model", "input": [], "model": "gpt-4o"}, "grader.type", "model graders are not supported"),
+    ({"type": "score_model", "model": "judge", "input": [{"role": "user", "content": "{{sample.output_text}}"}]},
+     "grader.type", "model graders need a judge endpoint, and this server has none"),
+    ({"type": "score_model", "model": "judge", "input": []}, "grader.input", "must be a non-empty list of messages"),
+    ({"type": "label_model", "model": "judge", "input": [{"role": "user", "content": "x"}], "labels": ["a", "b"],
+      "passing_labels": ["c"]}, "grader.passing_labels", "'c' not among labels"),
     (PY_OK | {"source": "def score(sample):\n    return 1\n"}, "grader.source", "grade(sample, item)"),
     (PY_OK | {"source": "def grade(sample, item) return 1"}, "grader.source", "does not parse"),
 ]
@@ -246,6 +251,31 @@ def test_run_reports_a_python_grader_that_never_returns(client, key_a):
     assert errors["unresponsive_reward_error"] is True and errors["python_grader_runtime_error"] is True
     assert "CPU time limit (2 s per sample)" in errors["python_grader_runtime_error_details"]
     assert time.monotonic() - start < 15  # the sandbox's own limits (engine.rewards.python_grader.Limits)
+
+
+def test_run_model_graders_ask_the_servers_judge(client, key_a, monkeypatch):
+    judge, server = start_judge()
+    monkeypatch.setenv("QERL_GRADER_BASE_URL", judge.url)
+    monkeypatch.setenv("QERL_GRADER_API_KEY", KEY)
+    prompt = [{"role": "user", "content": "reference: {{item.answer}}\nsample: {{sample.output_text}}"}]
+    score = {"type": "score_model", "name": "judge", "model": "judge-7b", "input": prompt, "range": [0, 10]}
+    label = {"type": "label_model", "name": "verdict", "model": "judge-7b", "input": prompt,
+             "labels": ["correct", "incorrect"], "passing_labels": ["correct"]}
+    try:
+        assert_scored(run(client, key_a, score, "It is 19.", {"answer": "19"}), 5.0, {"judge": 5.0})
+        assert_scored(run(client, key_a, label, "20", {"answer": "19"}), 0.0, {"verdict": 0.0})
+        assert judge.requests[0]["body"]["messages"] == [{"role": "user", "content": "reference: 19\nsample: It is 19."}]
+        for behaviour, flag in (("refuse", "model_grader_refusal_error"), ("garbage", "model_grader_parse_error"),
+                                ("not_found", "model_grader_server_error")):
+            judge.behaviour = behaviour
+            result = run(client, key_a, score, "19", {"answer": "19"})
+            errors = result["metadata"]["errors"]
+            assert result["reward"] == 0.0 and errors[flag] is True, result
+            assert {k for k, v in errors.items() if v not in (False, None)} <= {flag, "model_grader_server_error_details"}
+            assert result["qerl"]["error"]
+        assert "HTTP 404" in errors["model_grader_server_error_details"] and judge.url in result["qerl"]["error"]
+    finally:
+        server.shutdown()
 
 
 def test_run_reports_an_output_beyond_float_range(client, key_a):

@@ -98,7 +98,8 @@ BAD = [  # (request body or raw bytes, status, param)
     ({"model": MODEL, "qerl": {"dataset": RG}, "method": {"type": "reinforcement", "reinforcement": {
         "grader": {**STRING_CHECK, "operation": "approx"}}}}, 422, "method.reinforcement.grader.operation"),
     ({"model": MODEL, "qerl": {"dataset": RG}, "method": {"type": "reinforcement", "reinforcement": {
-        "grader": {"type": "score_model", "input": []}}}}, 422, "method.reinforcement.grader.type"),
+        "grader": {"type": "score_model", "model": "judge", "input": [{"role": "user", "content": "x"}]}}}}, 422,
+     "method.reinforcement.grader.type"),
     ({"model": MODEL, "qerl": {"dataset": RG}, "method": {"type": "reinforcement", "reinforcement": {
         "grader": STRING_CHECK, "hyperparameters": {"batch_size": "big"}}}}, 422,
      "method.reinforcement.hyperparameters.batch_size"),

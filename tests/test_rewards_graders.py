@@ -299,7 +299,8 @@ def test_nested_multi_reports_nested_parts():
 
 
 @pytest.mark.parametrize("cfg,needle", [
-    ({"type": "score_model"}, "grader.type must be one of"),
+    ({"type": "score_model"}, "grader.model is required"),
+    ({"type": "embedding_model"}, "grader.type must be one of"),
     ("string_check", "grader must be an object"),
     ({"type": "string_check", "input": S, "reference": "x"}, "grader.operation is required"),
     ({"type": "string_check", "input": S, "reference": "x", "operation": "regex"}, "grader.operation must be one of eq, ne, like, ilike"),

@@ -126,6 +126,37 @@ def test_a_job_cancelled_as_it_succeeds_leaves_neither_adapter_nor_results_file(
     assert list((art / "adapters").iterdir()) == [] and list((art / "files").iterdir()) == []
 
 
+def test_a_job_graded_by_a_judge_model_trains_and_fails_clearly_when_the_judge_is_down(ctx, sessions, monkeypatch):
+    from engine.rewards import model_grader
+    from tests._judge import KEY, start_judge
+
+    judge, server = start_judge()
+    monkeypatch.setenv("QERL_GRADER_BASE_URL", judge.url)
+    monkeypatch.setenv("QERL_GRADER_API_KEY", KEY)
+    monkeypatch.setattr(model_grader, "BACKOFF_S", (0.01, 0.02, 0.04))
+    grader = {"type": "label_model", "name": "verdict", "model": "judge-7b", "labels": ["correct", "incorrect"],
+              "passing_labels": ["correct"], "input": [
+                  {"role": "user", "content": "reference: {{item.answer}}\nsample: {{sample.output_text}}"}]}
+    try:
+        with sessions() as s:
+            job = make_job(s, tiny_spec("tiny", steps=2, grader=grader))
+        assert run_job(ctx, job.id) == "succeeded"
+        assert len(judge.requests) == 2 * 2 * 2  # steps x prompts x samples, each graded by the judge
+        with sessions() as s:
+            rewards = [m.values["reward/verdict"] for m in _metrics(s, job.id)]
+        expected = [sum(judge.verdict(r["body"])[0] == "correct" for r in judge.requests[k:k + 4]) / 4 for k in (0, 4)]
+        assert rewards == expected
+        judge.behaviour = "down"
+        with sessions() as s:
+            down = make_job(s, tiny_spec("tiny", steps=2, grader=grader))
+        assert run_job(ctx, down.id) == "failed"
+        with sessions() as s:
+            got = s.get(Job, down.id)
+        assert got.error_code == "grader_error" and "HTTP 503" in got.error_message and judge.url in got.error_message
+    finally:
+        server.shutdown()
+
+
 def test_a_job_training_a_model_further_fails_clearly_when_its_start_is_gone_or_corrupt(ctx, sessions):
     with sessions() as s:
         parent_job = make_job(s, tiny_spec("tiny", steps=1))

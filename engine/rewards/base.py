@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 
 class Grader:
@@ -23,6 +23,11 @@ class Grader:
     def __call__(self, sample_text: str, item: Mapping[str, Any]) -> tuple[float, dict[str, float]]:
         s = float(self.score(sample_text, item))
         return s, {self.name: s}
+
+    def batch(self, texts: Sequence[str], items: Sequence[Mapping[str, Any]]) -> list[tuple[float, dict[str, float]]]:
+        """``self(text, item)`` for each pair; graders that wait on something else (a judge model,
+        a sandbox) override it to grade a step's samples together."""
+        return [self(t, i) for t, i in zip(texts, items)]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

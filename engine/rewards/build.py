@@ -6,6 +6,7 @@ from typing import Any
 from engine.rewards.base import Grader
 from engine.rewards.format import FormatGrader
 from engine.rewards.math_answer import MathAnswer
+from engine.rewards.model_grader import LabelModel, ScoreModel
 from engine.rewards.multi import MultiGrader
 from engine.rewards.python_grader import PythonGrader
 from engine.rewards.rg import ReasoningGymGrader
@@ -13,7 +14,7 @@ from engine.rewards.text import StringCheck, TextSimilarity
 
 GRADERS: dict[str, type[Grader]] = {
     g.type: g for g in (StringCheck, TextSimilarity, MathAnswer, FormatGrader, MultiGrader, ReasoningGymGrader,
-                        PythonGrader)
+                        PythonGrader, ScoreModel, LabelModel)
 }
 MAX_DEPTH = 4
 
@@ -30,6 +31,5 @@ def build_at(cfg: Any, path: str) -> Grader:
         raise ValueError(f"{path} must be an object with a \"type\": one of {', '.join(GRADERS)}")
     kind = cfg["type"]
     if kind not in GRADERS:
-        hint = " (model graders are not supported)" if kind in ("score_model", "label_model") else ""
-        raise ValueError(f"{path}.type must be one of {', '.join(GRADERS)}; got {kind!r}{hint}")
+        raise ValueError(f"{path}.type must be one of {', '.join(GRADERS)}; got {kind!r}")
     return GRADERS[kind](cfg, path)

@@ -1,7 +1,7 @@
 """multi: named sub-graders combined by an arithmetic ``calculate_output`` expression."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from engine.rewards.base import Grader, check_fields, grader_name
 from engine.rewards.expr import Expression
@@ -30,15 +30,23 @@ class MultiGrader(Grader):
         self.item_fields = set().union(*(g.item_fields for g in self.graders.values()))
 
     def __call__(self, sample_text: str, item: Mapping[str, Any]) -> tuple[float, dict[str, float]]:
-        parts: dict[str, float] = {}
-        values: dict[str, float] = {}
-        for key, grader in self.graders.items():
-            score, sub_parts = grader(sample_text, item)
-            values[key] = score
-            parts[key] = score
-            if isinstance(grader, MultiGrader):
-                parts.update({f"{key}.{k}": v for k, v in sub_parts.items()})
-        return self.expression.evaluate(values), parts
+        return self.batch([sample_text], [item])[0]
+
+    def batch(self, texts: Sequence[str], items: Sequence[Mapping[str, Any]]) -> list[tuple[float, dict[str, float]]]:
+        """Each sub-grader over all the samples (a model grader's requests then run together)."""
+        by_grader = {key: grader.batch(texts, items) for key, grader in self.graders.items()}
+        out = []
+        for k in range(len(texts)):
+            parts: dict[str, float] = {}
+            values: dict[str, float] = {}
+            for key, grader in self.graders.items():
+                score, sub_parts = by_grader[key][k]
+                values[key] = score
+                parts[key] = score
+                if isinstance(grader, MultiGrader):
+                    parts.update({f"{key}.{k2}": v for k2, v in sub_parts.items()})
+            out.append((self.expression.evaluate(values), parts))
+        return out
 
     def score(self, sample_text: str, item: Mapping[str, Any]) -> float:
         return self(sample_text, item)[0]

@@ -62,7 +62,11 @@ def _errors(result: dict[str, Any]) -> GraderRunErrors:
     """OpenAI's flags for a failure of service.grader_run (none when it scored)."""
     kind, message = result.get("error"), result.get("message")
     python_runtime = kind in ("python_runtime", "python_timeout")
-    return GraderRunErrors(python_grader_runtime_error=python_runtime,
+    return GraderRunErrors(model_grader_server_error=kind == "model_server",
+                           model_grader_server_error_details=message if kind == "model_server" else None,
+                           model_grader_parse_error=kind == "model_parse",
+                           model_grader_refusal_error=kind == "model_refusal",
+                           python_grader_runtime_error=python_runtime,
                            python_grader_runtime_error_details=message if python_runtime else None,
                            python_grader_server_error=kind == "python_server",
                            python_grader_server_error_type=result.get("type") if kind == "python_server" else None,
