@@ -249,7 +249,7 @@ class GraderValidate(_BoundedIn):
 
 class GraderRun(_BoundedIn):
     grader: dict[str, Any]
-    model_sample: str = Field(description="fills {{sample.output_text}} (and sample.output_json when it is JSON)")
+    model_sample: str = Field(description="fills {{sample.output_text}} (and {{sample.output_json}} when it is JSON)")
     item: dict[str, Any] = Field(default_factory=dict, description="the dataset row: fills {{item.<field>}}")
 
 

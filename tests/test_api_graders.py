@@ -167,6 +167,9 @@ def test_run_string_check(client, key_a):
     assert result["metadata"]["name"] == "mentions" and result["metadata"]["type"] == "string_check"
     nested = ANSWER | {"reference": "{{item.meta.answers.1}}"}
     assert run(client, key_a, nested, "b", {"meta": {"answers": ["a", "b"]}})["reward"] == 1.0
+    structured = ANSWER | {"input": "{{sample.output_json.answer}}"}  # a sample that is JSON, read by field
+    assert run(client, key_a, structured, '{"answer": 42, "why": "6 x 7"}', {"answer": "42"})["reward"] == 1.0
+    assert run(client, key_a, structured, "42", {"answer": "42"})["reward"] == 0.0
 
 
 def test_run_text_similarity_is_the_lcs_ratio(client, key_a):

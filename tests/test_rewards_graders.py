@@ -36,8 +36,30 @@ def test_templates_read_nested_fields_and_lists():
     assert check("eq", "{{item.obj}}")('{"k": [1, 2]}', item)[0] == 1.0  # objects print as JSON
 
 
+def test_templates_read_the_sample_as_json():
+    item = {"answer": "19", "unit": "km"}
+    g = build_grader({"type": "string_check", "name": "s", "input": "{{sample.output_json.answer}}",
+                      "reference": "{{item.answer}}", "operation": "eq"})
+    assert g('{"answer": "19", "why": "12 + 7"}', item)[0] == 1.0
+    assert g('{"answer": 19}', item)[0] == 1.0  # numbers print as in item fields
+    assert g('{"answer": "20"}', item)[0] == 0.0
+    # not JSON, JSON without the field, JSON that is not an object or array: an empty answer, not an error
+    for sample in ("19", '{"total": "19"}', '"19"', '{"answer": ', "[1, 2]"):
+        assert g(sample, item)[0] == 0.0, sample
+    nested = build_grader({"type": "string_check", "name": "s", "input": "{{sample.output_json.steps.1.value}} "
+                                                                       "{{ sample.output_json.unit }}",
+                           "reference": "19 {{item.unit}}", "operation": "eq"})
+    assert nested('{"steps": [{"value": 12}, {"value": 19}], "unit": "km"}', item)[0] == 1.0
+    whole = build_grader({"type": "string_check", "name": "s", "input": "{{sample.output_json}}",
+                          "reference": '{"a": [1, 2]}', "operation": "eq"})
+    assert whole('{"a":[1,2]}', {})[0] == 1.0  # re-written as JSON
+    assert g.item_fields == {"answer"}
+
+
 @pytest.mark.parametrize("template,needle", [
     ("{{sample.text}}", "unknown template variable {{sample.text}}"),
+    ("{{sample.output_json.a b}}", "unknown template variable"),
+    ("{{sample.output_text.x}}", "unknown template variable"),
     ("{{item}}", "unknown template variable {{item}}"),
     ("{{item.a b}}", "unknown template variable"),
     ("{{item.answer", "unbalanced"),
