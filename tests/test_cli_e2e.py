@@ -88,6 +88,12 @@ def test_the_results_file_holds_every_steps_metrics(cli_job: CliJob, qerl_server
     assert results in [f["id"] for f in only] and {f["purpose"] for f in only} == {"fine-tune-results"}
     saved = qerl_server.qerl("files", "download", results, "-o", str(tmp_path / "m.csv"))
     assert saved.returncode == 0 and (tmp_path / "m.csv").read_text() == to_stdout.stdout, saved.stderr
+    # files delete: an upload nobody uses goes; the listing no longer has it
+    (tmp_path / "extra.jsonl").write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n')
+    extra = json.loads(qerl_server.qerl("files", "upload", str(tmp_path / "extra.jsonl"), "--json").stdout)["id"]
+    gone = qerl_server.qerl("files", "delete", extra)
+    assert gone.returncode == 0 and f"deleted {extra}" in gone.stdout, gone.stderr
+    assert extra not in [f["id"] for f in json.loads(qerl_server.qerl("files", "list", "--json").stdout)]
     # a results file is not training data
     bad = qerl_server.qerl("jobs", "create", "--model", "tiny", "--training-file", results, "--steps", "1")
     assert bad.returncode == 1 and "purpose=fine-tune" in bad.stdout + bad.stderr
