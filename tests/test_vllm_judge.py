@@ -44,7 +44,8 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory):
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
            str(resolve_model_dir("smollm2-135m-instruct")), "--served-model-name", "judge", "--host", "127.0.0.1",
-           "--port", str(port), "--max-model-len", "1024", "--max-num-seqs", "4", "--dtype", "bfloat16", "--enforce-eager"]
+           "--port", str(port), "--max-model-len", "1024", "--max-num-seqs", "4", "--dtype", "bfloat16",
+           "--enforce-eager"]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
