@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Select, Text, and_, bindparam, cast, func, or_, select
+from sqlalchemy import Select, Text, and_, bindparam, cast, func, or_, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -122,6 +122,23 @@ def mark_file_deleted(session: Session, file: File) -> None:
 # ---- jobs -----------------------------------------------------------------------------------
 def get_job(session: Session, project: str, job_id: str, *, for_update: bool = False) -> Job | None:
     return session.scalar(_JOB_FOR_UPDATE if for_update else _JOB, {"job_id": job_id, "project": project})
+
+
+QUEUE_HOLDING = ("validating_files", "queued", "running", "pausing", "cancelling")  # waiting for or holding a worker
+
+
+def count_queue_holding_jobs(session: Session, project: str) -> int:
+    """The project's jobs that wait for or hold a worker, counted under a per-project lock held
+    until the transaction ends (Postgres: an advisory lock; SQLite's transactions already write
+    one at a time), so that two requests cannot both take the last place."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text(f"SELECT pg_advisory_xact_lock({PROJECT_LOCK_CLASS}, hashtext(:project))"),
+                        {"project": project})
+    return session.scalar(select(func.count()).select_from(Job).where(
+        Job.project == project, Job.status.in_(QUEUE_HOLDING))) or 0
+
+
+PROJECT_LOCK_CLASS = 0x7165  # the first key of the per-project advisory locks ("qe")
 
 
 def job_by_idempotency_key(session: Session, project: str, key: str) -> Job | None:

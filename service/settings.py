@@ -59,6 +59,9 @@ class Settings(BaseSettings):
 
     # API behaviour
     rate_limit_per_minute: int = Field(default=1200, ge=0)  # per API key; 0 disables
+    # jobs a project may have waiting for or holding a worker (queued, running, pausing, cancelling;
+    # paused ones hold nothing); a create or resume beyond it is a 429. 0: no limit
+    max_active_jobs: int = Field(default=0, ge=0)
     # a verified key is remembered this long; a revocation by another process takes effect within it
     auth_cache_seconds: float = Field(default=5.0, ge=0)
     sse_poll_seconds: float = Field(default=0.5, gt=0)

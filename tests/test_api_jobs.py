@@ -240,6 +240,58 @@ def test_pause_and_resume_over_the_api(client, key_a, file_id, db_sessions, disp
         assert_error(client.post(f"/v1/fine_tuning/jobs/ftjob-nope/{verb}", headers=key_a.headers), 404)
 
 
+def test_a_projects_active_jobs_are_capped_by_max_active_jobs(make_client, key_a, key_b, file_id, db_sessions,
+                                                               dispatched):
+    capped = make_client(max_active_jobs=2)
+    create = lambda key, **kw: capped.post("/v1/fine_tuning/jobs", headers=key.headers, json=body(file_id, **kw))
+    idem = {"Idempotency-Key": f"k-{secrets.token_hex(4)}", **key_a.headers}
+    first = capped.post("/v1/fine_tuning/jobs", headers=idem, json=body(file_id)).json()["id"]
+    second = create(key_a).json()["id"]
+    refused = create(key_a)
+    err = assert_error(refused, 429, code="too_many_active_jobs")
+    assert "2 jobs queued or running" in err["message"] and "QERL_MAX_ACTIVE_JOBS=2" in err["message"]
+    assert refused.headers["Retry-After"] == "30" and refused.headers["x-should-retry"] == "false"  # SDKs: no retry
+    assert job_count(db_sessions, key_a.project) == 2  # nothing written
+    again = capped.post("/v1/fine_tuning/jobs", headers=idem, json=body(file_id))
+    assert again.status_code == 200 and again.json()["id"] == first  # a replay is not a new job
+    other = create(key_b, training_file=upload(capped, key_b, jsonl(training_rows(40))).json()["id"])
+    assert other.status_code == 200  # the cap is per project
+    # a paused job holds no worker: it does not count, but resuming it must fit under the cap
+    assert capped.post(f"/v1/fine_tuning/jobs/{second}/pause", headers=key_a.headers).json()["status"] == "paused"
+    third = create(key_a).json()["id"]
+    err = assert_error(capped.post(f"/v1/fine_tuning/jobs/{second}/resume", headers=key_a.headers), 429,
+                       code="too_many_active_jobs")
+    assert f"then resume {second}" in err["message"]
+    with db_sessions() as s:
+        assert s.get(Job, second).status == "paused"
+    assert capped.post(f"/v1/fine_tuning/jobs/{third}/cancel", headers=key_a.headers).json()["status"] == "cancelled"
+    assert capped.post(f"/v1/fine_tuning/jobs/{second}/resume", headers=key_a.headers).json()["status"] == "queued"
+    # running, pausing and cancelling jobs count too
+    with db_sessions() as s:
+        assert queue.claim(s, first, "test-worker", lease_seconds=60) is not None
+    for state in ("running", "pausing", "cancelling"):
+        with db_sessions() as s:
+            s.get(Job, first).status = state
+            s.commit()
+        assert_error(create(key_a), 429, code="too_many_active_jobs")
+    uncapped = make_client()  # the default: no cap
+    assert uncapped.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=body(file_id)).status_code == 200
+
+
+def test_concurrent_creates_cannot_both_take_the_last_place(api_settings, key_a, db_sessions):
+    from tests.conftest import LiveServer
+
+    with LiveServer(api_settings.model_copy(update={"max_active_jobs": 3})) as server, \
+            httpx.Client(base_url=server.url, headers=key_a.headers, timeout=60) as http:
+        # a built-in dataset: no training file, whose row lock would serialize the requests anyway
+        req = {"model": MODEL, "method": {"type": "reinforcement", "reinforcement": {"grader": STRING_CHECK}},
+               "qerl": {"dataset": RG}}
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            codes = list(pool.map(lambda _: http.post("/v1/fine_tuning/jobs", json=req).status_code, range(12)))
+    assert sorted(codes) == [200] * 3 + [429] * 9, codes
+    assert job_count(db_sessions, key_a.project) == 3
+
+
 def test_list_filters_by_metadata_as_openai_does(client, key_a, key_b, file_id):
     odd = 'we"ird\'key.$[0]'
     made = {name: client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=body(file_id, **extra)).json()["id"]

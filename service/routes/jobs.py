@@ -58,6 +58,7 @@ def create_job(body: JobCreate, key: CurrentKey, session: SessionDep, settings: 
             return _replay(earlier, digest)
     model, spec = build_spec(body, lambda fid: crud.get_file(session, key.project, fid, for_update=True),
                              lambda name: crud.find_parent(session, key.project, name))
+    _check_active_limit(session, key.project, settings.max_active_jobs, "create another")
     job = Job(id=new_id("ftjob"), project=key.project, model=model, status="queued", request=raw, spec=spec,
               training_file=body.training_file, validation_file=body.validation_file, seed=spec["seed"],
               suffix=body.suffix, user_metadata=body.metadata, idempotency_key=idempotency_key,
@@ -120,6 +121,23 @@ async def get_job(job_id: str, key: CurrentKey, request: Request) -> Response:
     return json_response(job_view(job))
 
 
+ACTIVE_LIMIT_RETRY_S = 30
+
+
+def _check_active_limit(session: Session, project: str, limit: int, action: str) -> None:
+    """429 when the project already has ``limit`` jobs waiting for or holding a worker (0: no limit)."""
+    if not limit:
+        return
+    active = crud.count_queue_holding_jobs(session, project)
+    if active >= limit:
+        session.rollback()
+        raise APIError(429, f"This project has {active} jobs queued or running, the most this server allows "
+                            f"(QERL_MAX_ACTIVE_JOBS={limit}); wait until one ends, or cancel or pause one, then "
+                            f"{action}.", code="too_many_active_jobs",
+                       # a place frees when a job ends, perhaps hours away: clients should not retry blindly
+                       headers={"Retry-After": str(ACTIVE_LIMIT_RETRY_S), "x-should-retry": "false"})
+
+
 def _transition(session: Session, project: str, job_id: str, change: Callable[[Session, Job], Job],
                 conflict_code: str) -> Job:
     """Apply a queue transition to one of the project's jobs and commit it (409 if the job's state
@@ -155,11 +173,16 @@ def pause_job(job_id: str, key: CurrentKey, session: SessionDep) -> FineTuningJo
 
 
 @router.post("/{job_id}/resume", response_model=FineTuningJob)
-def resume_job(job_id: str, key: CurrentKey, session: SessionDep) -> FineTuningJob:
+def resume_job(job_id: str, key: CurrentKey, session: SessionDep, settings: SettingsDep) -> FineTuningJob:
     """paused -> queued: a worker resumes it from its latest checkpoint."""
     from service import queue
 
-    job = _transition(session, key.project, job_id, queue.resume, "job_not_resumable")
+    def resume(s: Session, job: Job) -> Job:
+        if job.status == "paused":  # the other states answer as the transition does
+            _check_active_limit(s, key.project, settings.max_active_jobs, f"resume {job.id}")
+        return queue.resume(s, job)
+
+    job = _transition(session, key.project, job_id, resume, "job_not_resumable")
     view = job_view(job)
     if job.status == "queued":  # a duplicate wake-up for a job that was already queued is harmless
         wake(session, job.id)
