@@ -20,6 +20,8 @@ Per rollout step (``Reporter.metrics``), over all G samples of all prompts of th
     lr                           learning rate used by that update
     aqn_sigma                    noise std on the norms during the rollout
     rollout_tokens_per_s, rollout_s   generated tokens / rollout seconds; rollout seconds
+    grade_s                      seconds the grader took over the step's samples (a judge model's
+                                 requests, python graders' sandboxes)
     step_s, peak_memory_mb       wall time of the step; peak CUDA allocation or process max RSS
     updates_skipped              1 when every group was dropped and no update ran (the update
                                  keys above are then absent)

@@ -334,7 +334,9 @@ class _Run:
             clear_noise(norms)
             return None
 
+        t_grade = time.monotonic()
         scores, parts, correct = grade(self.grader, completions, items)
+        grade_s = time.monotonic() - t_grade
         rewards = torch.tensor(scores, dtype=torch.float32)  # (N*G,)
         adv, zero_var = group_advantages(rewards, G, std_normalize=spec.rl.std_normalize, eps=spec.rl.adv_eps)
         keep = keep_groups(zero_var, G, spec.rl)  # (N*G,) bool
@@ -343,7 +345,7 @@ class _Run:
         metrics = sample_metrics(scores, parts, correct, [len(c.token_ids) for c in completions],
                                  [c.finish_reason == "length" for c in completions])
         metrics.update(zero_var_frac=float(zero_var.float().mean()), aqn_sigma=sigma,
-                       rollout_tokens_per_s=n_tokens / max(gen_s, 1e-9), rollout_s=gen_s)
+                       rollout_tokens_per_s=n_tokens / max(gen_s, 1e-9), rollout_s=gen_s, grade_s=grade_s)
 
         clear_noise(norms)
         rows = keep.nonzero().flatten().tolist()

@@ -137,6 +137,7 @@ def test_a_job_graded_by_a_judge_model_trains_and_fails_clearly_when_the_judge_i
     grader = {"type": "label_model", "name": "verdict", "model": "judge-7b", "labels": ["correct", "incorrect"],
               "passing_labels": ["correct"], "input": [
                   {"role": "user", "content": "reference: {{item.answer}}\nsample: {{sample.output_text}}"}]}
+    judge.delay_s = 0.05
     try:
         with sessions() as s:
             job = make_job(s, tiny_spec("tiny", steps=2, grader=grader))
@@ -144,6 +145,7 @@ def test_a_job_graded_by_a_judge_model_trains_and_fails_clearly_when_the_judge_i
         assert len(judge.requests) == 2 * 2 * 2  # steps x prompts x samples, each graded by the judge
         with sessions() as s:
             rewards = [m.values["reward/verdict"] for m in _metrics(s, job.id)]
+            assert all(m.values["grade_s"] >= judge.delay_s for m in _metrics(s, job.id))  # the judge's time
         expected = [sum(judge.verdict(r["body"])[0] == "correct" for r in judge.requests[k:k + 4]) / 4 for k in (0, 4)]
         assert rewards == expected
         judge.behaviour = "down"
