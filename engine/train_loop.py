@@ -15,7 +15,8 @@ Each rollout step, for ``prompts_per_step`` prompts x G samples:
     micro-batching never changes the gradient. Then grad-norm clip, AdamW, LR schedule.
 
 ``should_stop()`` is polled at every step boundary and inside rollouts. A stop saves a
-checkpoint of the last step boundary and returns ``stopped=True``. Checkpoints hold every random
+checkpoint of the last step boundary and returns ``stopped=True``; a judge model that stays
+unreachable (a model grader) saves one too and raises GraderUnavailable. Checkpoints hold every random
 stream and the data position, so a resumed run is bit-identical to an uninterrupted one on CPU.
 """
 from __future__ import annotations
@@ -33,13 +34,14 @@ import torch
 from engine import checkpoint as ckpt
 from engine.evaluate import evaluate, grade
 from engine.metrics import UpdateStats, peak_memory_mb, sample_metrics
+from engine.rewards.model_grader import ModelGraderError
 from engine.rl.advantages import group_advantages, keep_groups
 from engine.rl.aqn import apply_noise, clear_noise, sigma_for_step
 from engine.rl.loss import effective_mask, loss_denominator, policy_loss
 from engine.spec import LORA_SHAPE, RolloutSpec, TrainSpec, same_lora_value
 from engine.train_batch import DataCursor, RolloutBatch, build_batch, encode_prompts
-from engine.types import (OOM_ADVICE, Reporter, TrainError, TrainResult, exception_chain, is_disk_full,
-                          is_out_of_memory)
+from engine.types import (OOM_ADVICE, GraderUnavailable, Reporter, TrainError, TrainResult, exception_chain,
+                          is_disk_full, is_out_of_memory)
 
 
 def train(spec: TrainSpec, *, workdir: Path, reporter: Reporter, should_stop: Callable[[], bool],
@@ -282,6 +284,23 @@ class _Run:
                                  **({"max_gpu_memory_gib": cap} if cap is not None else {}),
                                  "compute_dtype": str(self.model.dtype).removeprefix("torch."),
                                  "train_prompts": len(self.train_prompts), "eval_prompts": len(self.eval_prompts)})
+        try:
+            return self._loop()
+        except ModelGraderError as exc:
+            if exc.kind != "server":  # a refusal or an unreadable reply: the grader's setup, not an outage
+                raise
+            clear_noise(self.model.aqn_norms())
+            saved = getattr(self, "_saved", None)
+            if saved is not None and saved[0] == self.step:  # the step's checkpoint is this very boundary
+                path = saved[1]
+            else:
+                path = self._save(self._step_boundary or self._boundary())  # mid-step: the step's start
+            raise GraderUnavailable(f"{exc}. The run stopped at step {self.step}/{spec.steps} with a checkpoint "
+                                    f"({path.name}); resume it once the judge answers again", path) from None
+
+    def _loop(self) -> TrainResult:
+        spec = self.spec
+        self._step_boundary: _Boundary | None = None  # set while a step is under way
         if self.step == 0 and not self.initial_eval:
             result = self._evaluate()
             if result is None:
@@ -289,7 +308,7 @@ class _Run:
             self.initial_eval = result
 
         while self.step < spec.steps:
-            boundary = self._boundary()
+            boundary = self._step_boundary = self._boundary()
             if self.should_stop():
                 return self._stop(boundary)
             if spec.max_runtime_s is not None and self._elapsed() > spec.max_runtime_s:
@@ -302,6 +321,7 @@ class _Run:
             metrics = self._rollout_step()
             if metrics is None:  # stopped inside the rollout
                 return self._stop(boundary)
+            self._step_boundary = None
             self.last_metrics = metrics
             self.reporter.metrics(self.step, metrics)
             last_checkpoint = self.step >= spec.steps and _crossed(before, self.step, spec.checkpoint_interval)
@@ -462,6 +482,7 @@ class _Run:
             metrics.update(self.last_eval)
         self.reporter.checkpoint(self.step, path, metrics)
         self.reporter.event("info", f"Checkpoint saved at step {self.step}", {"step": self.step, "path": str(path)})
+        self._saved = (self.step, path)
         return path
 
     def _final_metrics(self) -> dict[str, float]:

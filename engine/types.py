@@ -56,6 +56,15 @@ class TrainError(ValueError):
         self.code = code
 
 
+class GraderUnavailable(TrainError):
+    """A judge model stayed unreachable: the run saved a checkpoint (``checkpoint``) and stopped,
+    to be resumed once the judge is back (the service pauses the job)."""
+
+    def __init__(self, message: str, checkpoint: Path) -> None:
+        super().__init__("grader_unavailable", message)
+        self.checkpoint = checkpoint
+
+
 OOM_ADVICE = ("The job ran out of memory. Lower micro_batch_size, rollout.max_batch, rollout.max_new_tokens or "
               "rollout.num_generations, keep gradient_checkpointing on, or use a smaller model.")
 

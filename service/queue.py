@@ -255,21 +255,26 @@ def finish(session: Session, job_id: str, attempt: int, status: str, *, error_co
     return status
 
 
-def requeue(session: Session, job_id: str, attempt: int, reason: str) -> str:
+def requeue(session: Session, job_id: str, attempt: int, reason: str, *, pause: bool = False) -> str:
     """A worker hands its job back (warm shutdown, or the engine stopped for a pause): queued
     again (and woken), or ``paused`` if a pause was asked for, resuming from the latest
-    checkpoint either way. It does not use up an attempt (max_attempts + 1). A job that was
-    cancelling is cancelled instead. Returns the status written."""
+    checkpoint either way. ``pause``: paused whatever was asked, ``reason`` saying why (the
+    engine stopped on something the user or operator must fix first, a judge model that does
+    not answer). It does not use up an attempt (max_attempts + 1). A job that was cancelling is
+    cancelled instead. Returns the status written."""
     current = fence(session, job_id, attempt)
     if current == "cancelling":
         session.rollback()
         return finish(session, job_id, attempt, "cancelled")
     ckpt = latest_checkpoint(session, job_id)
-    status = "paused" if current == "pausing" else "queued"
+    status = "paused" if current == "pausing" or pause else "queued"
     session.execute(update(Job).where(Job.id == job_id).values(
         status=status, lease_owner=None, lease_expires_at=None, max_attempts=Job.max_attempts + 1,
         resume_checkpoint_id=ckpt.id if ckpt else None, step=ckpt.step if ckpt else 0))
-    if status == "paused":
+    if pause:
+        add_event(session, job_id, attempt, f"{reason}; the job was paused and will resume {_from(ckpt)} when "
+                                            "resumed", level="warn")
+    elif status == "paused":
         add_event(session, job_id, attempt, f"The job was paused; it will resume {_from(ckpt)} when resumed")
     else:
         add_event(session, job_id, attempt, f"{reason}; job requeued, will resume {_from(ckpt)}", level="warn")

@@ -25,6 +25,7 @@ class Judge:
     requests: list[dict[str, Any]] = field(default_factory=list)
     behaviour: str = "grade"  # grade | prose | refuse | garbage | down | not_found
     fail_first: int = 0  # answer 503 to this many requests first
+    down_after: int | None = None  # answer 503 to every request after this many
     delay_s: float = 0.0
     in_flight: int = 0
     max_in_flight: int = 0
@@ -71,7 +72,8 @@ def _handler(judge: Judge) -> type[BaseHTTPRequestHandler]:
                 return self._send(404, {"error": {"message": f"no route {self.path}"}})
             if self.headers.get("Authorization") != f"Bearer {KEY}":
                 return self._send(401, {"error": {"message": "bad key"}})
-            if n <= judge.fail_first or judge.behaviour == "down":
+            if n <= judge.fail_first or judge.behaviour == "down" or (judge.down_after is not None
+                                                                      and n > judge.down_after):
                 return self._send(503, {"error": {"message": "overloaded"}})
             message: dict[str, Any] = {"role": "assistant", "content": None, "refusal": None}
             label, score, why = judge.verdict(body)

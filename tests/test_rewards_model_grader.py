@@ -168,3 +168,22 @@ def test_a_bad_server_setting_is_named(judge, monkeypatch, name, value):
     with pytest.raises(ValueError) as exc:
         build_grader(LABEL)
     assert str(exc.value).startswith(f"grader.type: the server's {name} must be a number above 0; got {value!r}")
+
+
+def test_a_run_whose_judge_stays_down_stops_with_a_checkpoint_and_resumes_from_it(judge, tiny_model_dir, tmp_path):
+    """The engine without the service (qerl train): the judge down from the first evaluation on."""
+    from engine import NullReporter, TrainSpec, train
+    from engine.types import GraderUnavailable
+    from tests._worker_fixtures import tiny_spec
+
+    grader = LABEL | {"input": [{"role": "user", "content": "reference: {{item.answer}}\nsample: {{sample.output_text}}"}]}
+    spec = TrainSpec.from_dict(tiny_spec(str(tiny_model_dir), steps=2, grader=grader, data={"eval_size": 2}))
+    judge.behaviour = "down"
+    with pytest.raises(GraderUnavailable) as exc:
+        train(spec, workdir=tmp_path, reporter=NullReporter(), should_stop=lambda: False)
+    assert exc.value.code == "grader_unavailable" and "HTTP 503" in str(exc.value)
+    assert exc.value.checkpoint.name == "step-000000" and "resume it once the judge answers again" in str(exc.value)
+    judge.behaviour = "grade"
+    result = train(spec, workdir=tmp_path, reporter=NullReporter(), should_stop=lambda: False,
+                   resume_from=exc.value.checkpoint)
+    assert (result.steps, result.stopped) == (2, False) and "eval/accuracy" in result.metrics

@@ -126,7 +126,9 @@ def test_a_job_cancelled_as_it_succeeds_leaves_neither_adapter_nor_results_file(
     assert list((art / "adapters").iterdir()) == [] and list((art / "files").iterdir()) == []
 
 
-def test_a_job_graded_by_a_judge_model_trains_and_fails_clearly_when_the_judge_is_down(ctx, sessions, monkeypatch):
+def test_a_job_graded_by_a_judge_model_trains_and_pauses_while_the_judge_is_down(ctx, sessions, monkeypatch):
+    """A judge that stops answering mid-step pauses the job at its last step boundary (a checkpoint);
+    resumed once the judge is back, it finishes with every step graded by the judge."""
     from engine.rewards import model_grader
     from tests._judge import KEY, start_judge
 
@@ -148,13 +150,29 @@ def test_a_job_graded_by_a_judge_model_trains_and_fails_clearly_when_the_judge_i
             assert all(m.values["grade_s"] >= judge.delay_s for m in _metrics(s, job.id))  # the judge's time
         expected = [sum(judge.verdict(r["body"])[0] == "correct" for r in judge.requests[k:k + 4]) / 4 for k in (0, 4)]
         assert rewards == expected
-        judge.behaviour = "down"
+
+        judge.requests.clear()
+        judge.down_after = 4  # answers step 1's four samples, then 503 (retried, then given up)
         with sessions() as s:
-            down = make_job(s, tiny_spec("tiny", steps=2, grader=grader))
-        assert run_job(ctx, down.id) == "failed"
+            held = make_job(s, tiny_spec("tiny", steps=3, grader=grader))
+        assert run_job(ctx, held.id) == "paused"
         with sessions() as s:
-            got = s.get(Job, down.id)
-        assert got.error_code == "grader_error" and "HTTP 503" in got.error_message and judge.url in got.error_message
+            got = s.get(Job, held.id)
+            assert (got.status, got.step, got.error_code) == ("paused", 1, None)
+            warn = [e for e in events(s, held.id) if e.level == "warn"][-1].message
+            assert "HTTP 503" in warn and judge.url in warn and "resume from checkpoint step 1" in warn, warn
+            assert [m.step for m in _metrics(s, held.id)] == [1]
+            ckpts = s.scalars(select(Checkpoint).where(Checkpoint.job_id == held.id)).all()
+            assert [c.step for c in ckpts] == [1] and got.resume_checkpoint_id == ckpts[0].id  # not saved twice
+        judge.down_after = None
+        with sessions() as s:
+            queue.resume(s, s.get(Job, held.id))
+            s.commit()
+        assert run_job(ctx, held.id) == "succeeded"
+        with sessions() as s:
+            got = s.get(Job, held.id)
+            assert (got.status, got.step, got.attempt) == ("succeeded", 3, 2)
+            assert [m.step for m in _metrics(s, held.id)] == [1, 2, 3]
     finally:
         server.shutdown()
 

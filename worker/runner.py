@@ -3,7 +3,8 @@
 claim -> resolve the spec's files and the resume point -> ``engine.train`` with a DB reporter,
 a lease-keeping side thread and ``should_stop`` = cancel | pause | lease lost | shutdown -> an
 outcome: succeeded (adapter tar.gz + Adapter row), failed (a code the user can act on),
-cancelled, paused (resumed later from the checkpoint the engine saved on stopping) or requeued
+cancelled, paused (resumed later from the checkpoint the engine saved on stopping: on a pause, or
+when a judge model stopped answering) or requeued
 (shutdown: another worker resumes from that checkpoint).
 Every write is fenced by the attempt, so a worker that lost its lease changes nothing.
 """
@@ -24,7 +25,7 @@ from sqlalchemy.orm import Session
 
 import engine
 from engine.spec import TrainSpec
-from engine.types import OOM_ADVICE, TrainError, is_disk_full, is_out_of_memory
+from engine.types import OOM_ADVICE, GraderUnavailable, TrainError, is_disk_full, is_out_of_memory
 from service import crud, queue
 from service.models import Adapter, Checkpoint, File, Job, new_id
 from service.results import RESULTS_FILENAME, RESULTS_PURPOSE, step_metrics_csv
@@ -85,6 +86,10 @@ def execute(ctx: WorkerContext, job: Job) -> str:
                                   should_stop=should_stop, resume_from=resume_from)
         except queue.LeaseLost:
             return _lease_lost(job)
+        except GraderUnavailable as exc:  # the engine saved a checkpoint: paused until the judge is back
+            if keeper.lost.is_set():
+                return _lease_lost(job)
+            return _requeue(ctx, keeper, job, str(exc), pause=True)
         except Exception as exc:  # noqa: BLE001 - every failure ends the job with a code
             if keeper.lost.is_set():
                 return _lease_lost(job)
@@ -195,10 +200,10 @@ def _end(ctx: WorkerContext, keeper: LeaseKeeper, job: Job, status: str, **kw: A
     return final
 
 
-def _requeue(ctx: WorkerContext, keeper: LeaseKeeper, job: Job, reason: str) -> str:
+def _requeue(ctx: WorkerContext, keeper: LeaseKeeper, job: Job, reason: str, *, pause: bool = False) -> str:
     def write() -> str:
         with ctx.sessions() as s:
-            return queue.requeue(s, job.id, job.attempt, reason)
+            return queue.requeue(s, job.id, job.attempt, reason, pause=pause)
 
     try:
         status = keeper.retry(write, "handing the job back to the queue")

@@ -11,8 +11,9 @@ label_model's is 1.0 for a label in ``passing_labels``, else 0.0.
 
 Requests run ``QERL_GRADER_CONCURRENCY`` (8) at a time over a step's samples, each given
 ``QERL_GRADER_TIMEOUT_SECONDS`` (60) and retried on connection errors, 408, 429 and 5xx with
-back-off (1, 2, 4 s); a judge that still fails, refuses or answers nothing readable fails the job
-``grader_error`` with the reason.
+back-off (1, 2, 4 s). A judge that still fails raises ModelGraderError of kind "server": the
+training loop then saves a checkpoint and stops (GraderUnavailable; the service pauses the job);
+one that refuses or answers nothing readable fails the job ``grader_error`` with the reason.
 """
 from __future__ import annotations
 
