@@ -12,14 +12,15 @@ from typing import Any, Callable
 
 import torch
 
-from engine.metrics import is_correct, sample_metrics
+from engine.metrics import is_correct, sample_metrics, sample_rows
 from engine.rl.aqn import clear_noise
 
 
 def evaluate(model: Any, tokenizer: Any, prompts: list[list[int]], items: list[dict[str, Any]], grader: Any,
-             sampling: Any, *, max_batch: int = 64,
-             should_stop: Callable[[], bool] | None = None) -> dict[str, float] | None:
-    """``eval/*`` metrics (see engine.metrics), or None when ``should_stop`` cut decoding short."""
+             sampling: Any, *, max_batch: int = 64, should_stop: Callable[[], bool] | None = None,
+             samples: list[dict[str, Any]] | None = None, keep: int = 0) -> dict[str, float] | None:
+    """``eval/*`` metrics (see engine.metrics), or None when ``should_stop`` cut decoding short;
+    the first ``keep`` completions are appended to ``samples`` (engine.metrics.sample_rows)."""
     from engine.rollout.backend import native_generate
 
     if not prompts:
@@ -38,6 +39,8 @@ def evaluate(model: Any, tokenizer: Any, prompts: list[list[int]], items: list[d
     if any(c.finish_reason == "cancelled" for c in completions):
         return None
     scores, parts, correct = grade(grader, completions, items)
+    if samples is not None and keep:
+        samples.extend(sample_rows(tokenizer, prompts, completions, scores, parts, keep))
     return sample_metrics(scores, parts, correct, [len(c.token_ids) for c in completions],
                           [c.finish_reason == "length" for c in completions], prefix="eval/")
 

@@ -29,6 +29,10 @@ Per rollout step (``Reporter.metrics``), over all G samples of all prompts of th
 
 Evaluation (``eval/`` prefix): greedy decoding with the adapter, no AQN noise, on the eval split:
 ``eval/reward_mean``, ``eval/accuracy``, ``eval/completion_len_mean``, ``eval/truncated_frac``.
+
+Samples (``Reporter.samples(step, kind, rows)``, kind "train" or "eval"): the first ``log_samples``
+of a step's samples (prompt-major: the first prompt's group first) and of an evaluation's greedy
+completions, each with its prompt, completion, reward and the grader's named scores.
 """
 from __future__ import annotations
 
@@ -121,3 +125,26 @@ def peak_memory_mb(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**20
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+
+
+SAMPLE_CHARS = 4096  # a reported prompt or completion is cut to this many characters (the end kept for prompts)
+
+
+def sample_rows(tokenizer: Any, prompts: list[list[int]], completions: list[Any], scores: list[float],
+                parts: list[dict[str, float]], limit: int) -> list[dict[str, Any]]:
+    """The first ``limit`` samples as the service stores them (``Reporter.samples``)."""
+    rows = []
+    for i in range(min(limit, len(completions))):
+        prompt = tokenizer.decode(prompts[i])
+        c = completions[i]
+        rows.append({"index": i, "prompt": prompt[-SAMPLE_CHARS:], "completion": c.text[:SAMPLE_CHARS],
+                     "reward": float(scores[i]), "scores": {k: float(v) for k, v in parts[i].items()},
+                     "finish_reason": c.finish_reason, "tokens": len(c.token_ids)})
+    return rows
+
+
+def report_samples(reporter: Any, step: int, kind: str, rows: list[dict[str, Any]]) -> None:
+    """``reporter.samples(step, kind, rows)`` where the reporter takes samples (it is optional)."""
+    take = getattr(reporter, "samples", None)
+    if rows and take is not None:
+        take(step, kind, rows)

@@ -220,6 +220,9 @@ class TrainSpec:
     # keep every checkpoint's LoRA (PEFT adapter) after the checkpoint itself is pruned: in
     # <workdir>/checkpoint-adapters/, and through the service as long as the job's adapter
     keep_checkpoint_adapters: bool = False
+    # how many of each step's samples (prompt, completion, reward) to report, the first prompts'
+    # groups, and as many of each evaluation's greedy completions; 0: none
+    log_samples: int = 4
     # a PEFT LoRA directory to start from (a fine-tuned model trained further): its rank, alpha,
     # target modules and rsLoRA must equal lora's; None: a fresh LoRA (B = 0)
     init_adapter: str | None = None
@@ -235,12 +238,13 @@ class TrainSpec:
         _check_choice("quantization", self.quantization, QUANTIZATIONS)
         if not isinstance(self.grader, dict) or "type" not in self.grader:
             raise ValueError('grader must be an object with a "type" (string_check, text_similarity, '
-                             'math_answer, format, multi, reasoning_gym)')
+                             'math_answer, format, multi, reasoning_gym, python, score_model, label_model)')
         _check_range("steps", self.steps, 1, 1_000_000)
         _check_range("prompts_per_step", self.prompts_per_step, 1, 4096)
         _check_range("micro_batch_size", self.micro_batch_size, 1, 4096)
         _check_range("eval_interval", self.eval_interval, 0, 1_000_000)
         _check_range("checkpoint_interval", self.checkpoint_interval, 0, 1_000_000)
+        _check_range("log_samples", self.log_samples, 0, 64)
         _check_range("seed", self.seed, 0, 2**63 - 1)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")

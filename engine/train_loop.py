@@ -33,7 +33,7 @@ import torch
 
 from engine import checkpoint as ckpt
 from engine.evaluate import evaluate, grade
-from engine.metrics import UpdateStats, peak_memory_mb, sample_metrics
+from engine.metrics import UpdateStats, peak_memory_mb, report_samples, sample_metrics, sample_rows
 from engine.rewards.model_grader import ModelGraderError
 from engine.rl.advantages import group_advantages, keep_groups
 from engine.rl.aqn import apply_noise, clear_noise, sigma_for_step
@@ -324,6 +324,7 @@ class _Run:
             self._step_boundary = None
             self.last_metrics = metrics
             self.reporter.metrics(self.step, metrics)
+            report_samples(self.reporter, self.step, "train", self._step_samples)
             last_checkpoint = self.step >= spec.steps and _crossed(before, self.step, spec.checkpoint_interval)
             if (_crossed(before, self.step, spec.eval_interval) and self.step < spec.steps) or last_checkpoint:
                 self._evaluate()  # the final evaluation before the last checkpoint, which then carries its scores
@@ -357,6 +358,7 @@ class _Run:
         t_grade = time.monotonic()
         scores, parts, correct = grade(self.grader, completions, items)
         grade_s = time.monotonic() - t_grade
+        self._step_samples = sample_rows(self.tokenizer, prompts, completions, scores, parts, spec.log_samples)
         rewards = torch.tensor(scores, dtype=torch.float32)  # (N*G,)
         adv, zero_var = group_advantages(rewards, G, std_normalize=spec.rl.std_normalize, eps=spec.rl.adv_eps)
         keep = keep_groups(zero_var, G, spec.rl)  # (N*G,) bool
@@ -446,12 +448,15 @@ class _Run:
         if not self.eval_prompts:
             return {}
         t0 = time.monotonic()
+        rows: list[dict[str, Any]] = []
         result = evaluate(self.model, self.tokenizer, self.eval_prompts, self.eval_items, self.grader,
-                          self.sampling, max_batch=self.spec.rollout.max_batch, should_stop=self.should_stop)
+                          self.sampling, max_batch=self.spec.rollout.max_batch, should_stop=self.should_stop,
+                          samples=rows, keep=self.spec.log_samples)
         if result is None:
             return None
         result["eval/seconds"] = time.monotonic() - t0
         self.reporter.metrics(self.step, result)
+        report_samples(self.reporter, self.step, "eval", rows)
         self.reporter.event("info", f"Evaluation at step {self.step}: reward {result['eval/reward_mean']:.3f}, "
                                     f"accuracy {result['eval/accuracy']:.3f} on {len(self.eval_prompts)} prompts",
                             {"step": self.step, **result})

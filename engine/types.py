@@ -20,6 +20,8 @@ class Reporter(Protocol):
 
     def checkpoint(self, step: int, path: Path, metrics: dict[str, float]) -> None: ...
 
+    # optional: a reporter may also take ``samples(step, kind, rows)`` (engine.metrics.sample_rows)
+
 
 class NullReporter:
     """Collects everything in memory (CLI and tests)."""
@@ -28,6 +30,7 @@ class NullReporter:
         self.events: list[tuple[str, str, dict[str, Any] | None]] = []
         self.steps: list[tuple[int, dict[str, float]]] = []
         self.checkpoints: list[tuple[int, Path]] = []
+        self.samples_seen: list[tuple[int, str, list[dict[str, Any]]]] = []
 
     def event(self, level: str, message: str, data: dict[str, Any] | None = None) -> None:
         self.events.append((level, message, data))
@@ -37,6 +40,9 @@ class NullReporter:
 
     def checkpoint(self, step: int, path: Path, metrics: dict[str, float]) -> None:
         self.checkpoints.append((step, Path(path)))
+
+    def samples(self, step: int, kind: str, rows: list[dict[str, Any]]) -> None:
+        self.samples_seen.append((step, kind, rows))
 
 
 @dataclass

@@ -293,6 +293,35 @@ def jobs_checkpoints(job_id: str,
         out.print(f"[dim]download one: qerl adapters download {job_id} --checkpoint STEP[/]")
 
 
+@jobs_app.command("samples")
+@_errors_as_messages
+def jobs_samples(job_id: str,
+                 step: Annotated[Optional[int], typer.Option(help="this step's samples (default: the newest step's)")] = None,
+                 kind: Annotated[Optional[str], typer.Option(help="train (the step's rollouts) or eval (greedy)")] = None,
+                 full_prompt: Annotated[bool, typer.Option("--full-prompt", help="the whole prompt, not its end")] = False,
+                 base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJson = False) -> None:
+    """What the model generated at a step, with each sample's reward: the step's first rollouts
+    and the evaluation's greedy completions (qerl.log_samples of each)."""
+    if kind not in (None, "train", "eval"):
+        raise QerlError(422, f"--kind must be train or eval; got {kind!r}")
+    with _client(base_url, api_key) as client:
+        page = client.samples(job_id, step=step, kind=kind)
+    if as_json:
+        return _print_json(page)
+    if not page:
+        out.print(f"no samples for {job_id}" + (f" at step {step}" if step is not None else "") +
+                  " (reported from the first step on; qerl.log_samples=0 turns them off)")
+        return
+    for x in page:
+        scores = ", ".join(f"{k} {v:.3g}" for k, v in x["scores"].items() if v is not None)
+        out.print(f"[bold]step {x['step']} {x['kind']} #{x['index']}[/]  reward [bold]{x['reward']:.4g}[/]"
+                  f"  ({escape(scores)}; {x['finish_reason']}, {x['tokens']} tokens)")
+        prompt = x["prompt"] if full_prompt else "..." + x["prompt"][-160:] if len(x["prompt"]) > 160 else x["prompt"]
+        out.print(f"[dim]{escape(prompt)}[/]")
+        out.print(escape(x["completion"]), highlight=False)
+        out.print()
+
+
 def _number(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, (int, float)) else ""
 

@@ -164,6 +164,11 @@ class Client:
                 return out
             after_step = page["data"][-1]["step"]
 
+    def samples(self, job_id: str, step: int | None = None, kind: str | None = None) -> list[dict[str, Any]]:
+        """The samples the job reported at ``step`` (default: its newest step), train and eval."""
+        params = {k: v for k, v in (("step", step), ("kind", kind)) if v is not None}
+        return self.get(f"/v1/fine_tuning/jobs/{job_id}/samples", **params)["data"]
+
     def events(self, job_id: str, after: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
         return self.get(f"/v1/fine_tuning/jobs/{job_id}/events", after=after, limit=limit)["data"]
 

@@ -10,7 +10,7 @@ from sqlalchemy import Select, Text, and_, bindparam, cast, func, or_, select, t
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from service.models import Adapter, Checkpoint, File, Job, JobEvent, JobMetric, utcnow
+from service.models import Adapter, Checkpoint, File, Job, JobEvent, JobMetric, JobSample, utcnow
 from service.views import ACTIVE, base_model_of, fine_tuned_model_name
 
 MAX_LIMIT = 10_000
@@ -214,6 +214,28 @@ def latest_metrics(session: Session, job_id: str, *, after_step: int | None, lim
 def all_metrics(session: Session, job_id: str) -> list[JobMetric]:
     """Every step's metrics (the latest attempt's), in step order."""
     return list(session.scalars(_latest_metrics(job_id).order_by(JobMetric.step.asc())))
+
+
+def job_samples(session: Session, job_id: str, *, step: int | None, kind: str | None, after_step: int | None,
+                limit: int, newest_first: bool) -> tuple[list[JobSample], bool]:
+    """Every reported sample of up to ``limit`` steps (the latest attempt's set for each step and
+    kind), in step order (``newest_first``: descending), steps past ``after_step`` in that order."""
+    best = (select(JobSample.step, JobSample.kind, func.max(JobSample.attempt).label("attempt"))
+            .where(JobSample.job_id == job_id).group_by(JobSample.step, JobSample.kind).subquery())
+    latest = and_(JobSample.step == best.c.step, JobSample.kind == best.c.kind, JobSample.attempt == best.c.attempt)
+    where = [JobSample.job_id == job_id]
+    if step is not None:
+        where.append(JobSample.step == step)
+    if kind is not None:
+        where.append(JobSample.kind == kind)
+    if after_step is not None:
+        where.append(JobSample.step < after_step if newest_first else JobSample.step > after_step)
+    order = JobSample.step.desc() if newest_first else JobSample.step.asc()
+    steps = list(session.scalars(select(JobSample.step).where(*where).distinct().order_by(order).limit(limit + 1)))
+    more, steps = len(steps) > limit, steps[:limit]
+    rows = session.scalars(select(JobSample).join(best, latest).where(*where, JobSample.step.in_(steps))
+                           .order_by(order, JobSample.kind.desc(), JobSample.index.asc()))
+    return list(rows), more
 
 
 def list_checkpoints(session: Session, job_id: str, *, after: str | None, limit: int) -> tuple[list[Checkpoint], bool]:

@@ -15,7 +15,7 @@ import secrets
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, ForeignKey, Index, Integer, String, Text,
+from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text,
                         UniqueConstraint)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -130,6 +130,27 @@ class JobMetric(Base):
     step: Mapped[int] = mapped_column(Integer)
     attempt: Mapped[int] = mapped_column(Integer, default=0)
     values: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class JobSample(Base):
+    """A few of a step's samples (or of an evaluation's greedy completions) as the engine reported
+    them (``qerl.log_samples``); one set per (job, step, kind, attempt), readers take the latest attempt."""
+
+    __tablename__ = "job_samples"
+    __table_args__ = (Index("ix_job_samples_job_step", "job_id", "step"),)
+    id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(String(40), ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    step: Mapped[int] = mapped_column(Integer)
+    kind: Mapped[str] = mapped_column(String(8))  # train | eval
+    index: Mapped[int] = mapped_column(Integer)  # position in the step's samples (prompt-major)
+    prompt: Mapped[str] = mapped_column(Text)
+    completion: Mapped[str] = mapped_column(Text)
+    reward: Mapped[float] = mapped_column(Float)
+    scores: Mapped[dict[str, Any]] = mapped_column(JSON)  # the grader's named (sub-)scores
+    finish_reason: Mapped[str] = mapped_column(String(16))
+    tokens: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

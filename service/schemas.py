@@ -222,6 +222,24 @@ class StepMetrics(BaseModel):
     values: dict[str, Any]
 
 
+class JobSampleView(BaseModel):
+    """One of the samples a job reported for a step (``kind`` train: the step's sampled rollouts,
+    prompt-major; eval: the evaluation's greedy completions at that step)."""
+
+    object: Literal["fine_tuning.job.sample"] = "fine_tuning.job.sample"
+    step: int
+    kind: Literal["train", "eval"]
+    index: int
+    attempt: int
+    prompt: str  # as the model saw it (chat template applied; the end kept when long)
+    completion: str
+    reward: float
+    scores: dict[str, Any]  # each named (sub-)grader's score
+    finish_reason: str  # stop | length
+    tokens: int
+    created_at: int
+
+
 class Adapter(BaseModel):
     id: str
     object: Literal["adapter"] = "adapter"

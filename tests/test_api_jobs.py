@@ -371,3 +371,43 @@ def test_metrics_take_the_latest_attempt_and_checkpoints_list(client, key_a, fil
     page = client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints", headers=key_a.headers,
                       params={"after": "ftckpt-b"}).json()
     assert [c["id"] for c in page["data"]] == ["ftckpt-a"]
+
+
+def test_samples_list_the_latest_attempts_by_step(client, key_a, key_b, file_id, db_sessions):
+    from service.models import JobSample
+
+    job_id = client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=body(file_id)).json()["id"]
+    url = f"/v1/fine_tuning/jobs/{job_id}/samples"
+    assert client.get(url, headers=key_a.headers).json()["data"] == []  # nothing reported yet
+
+    def sample(step, attempt, kind="train", index=0, text=""):
+        return JobSample(job_id=job_id, attempt=attempt, step=step, kind=kind, index=index, prompt=f"p{step}",
+                         completion=text or f"c{step}.{attempt}.{kind}.{index}", reward=step / 10 + index,
+                         scores={"answer": 1.0}, finish_reason="stop", tokens=3)
+
+    with db_sessions() as s:  # as workers write them: step 2 re-run by attempt 2 after a resume
+        s.add_all([sample(0, 1, "eval"), sample(1, 1), sample(1, 1, index=1), sample(2, 1), sample(2, 1, "eval"),
+                   sample(2, 2), sample(2, 2, index=1), sample(3, 2), sample(3, 2, "eval")])
+        s.commit()
+
+    def got(**params):
+        resp = client.get(url, headers=key_a.headers, params=params)
+        assert resp.status_code == 200, resp.text
+        page = resp.json()
+        return [(x["step"], x["kind"], x["index"], x["completion"]) for x in page["data"]], page["has_more"]
+
+    newest, more = got()
+    assert newest == [(3, "train", 0, "c3.2.train.0"), (3, "eval", 0, "c3.2.eval.0")] and more
+    assert got(step=2) == ([(2, "train", 0, "c2.2.train.0"), (2, "train", 1, "c2.2.train.1"),
+                            (2, "eval", 0, "c2.1.eval.0")], False)  # attempt 2 re-ran the step's rollouts only
+    assert got(kind="eval", order="asc", limit=2) == ([(0, "eval", 0, "c0.1.eval.0"), (2, "eval", 0, "c2.1.eval.0")],
+                                                      True)
+    assert got(kind="eval", order="asc", limit=2, after_step=2) == ([(3, "eval", 0, "c3.2.eval.0")], False)
+    assert [s for s, *_ in got(order="desc", limit=2, after_step=3)[0]] == [2, 2, 2, 1, 1]
+    one = client.get(url, headers=key_a.headers, params={"step": 1}).json()["data"][1]
+    assert one == {"object": "fine_tuning.job.sample", "step": 1, "kind": "train", "index": 1, "attempt": 1,
+                   "prompt": "p1", "completion": "c1.1.train.1", "reward": 1.1, "scores": {"answer": 1.0},
+                   "finish_reason": "stop", "tokens": 3, "created_at": one["created_at"]}
+    assert_error(client.get(url, headers=key_b.headers), 404)  # another project's job
+    assert_error(client.get(url, headers=key_a.headers, params={"kind": "test"}), 422, param="kind")
+    assert_error(client.get(url, headers=key_a.headers, params={"limit": 101}), 422, param="limit")

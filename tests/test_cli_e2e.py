@@ -441,3 +441,19 @@ def test_a_checkpoints_lora_downloads_as_a_peft_adapter_while_it_is_kept(qerl_se
     assert a.status_code == 200 and a.headers["content-type"] == "application/gzip"
     assert hashlib.sha256(a.content).hexdigest() == a.headers["x-checksum-sha256"] == b.headers["x-checksum-sha256"]
     assert httpx.get(url.replace(ckpts[0]["id"], "ftckpt-nope"), headers=qerl_server.headers).status_code == 404
+
+
+def test_samples_show_what_the_model_wrote_at_a_step(cli_job: CliJob, qerl_server: Served) -> None:
+    api = httpx.get(f"{qerl_server.url}/v1/fine_tuning/jobs/{cli_job.job_id}/samples", params={"step": 1},
+                    headers=qerl_server.headers).json()["data"]
+    assert api and {x["kind"] for x in api} == {"train"} and all(x["step"] == 1 for x in api)
+    shown = qerl_server.qerl("jobs", "samples", cli_job.job_id, "--step", "1")
+    assert shown.returncode == 0, shown.stderr
+    for x in api:
+        assert f"step 1 train #{x['index']}  reward {x['reward']:.4g}" in shown.stdout
+    as_json = json.loads(qerl_server.qerl("jobs", "samples", cli_job.job_id, "--step", "1", "--json").stdout)
+    assert as_json == api
+    newest = json.loads(qerl_server.qerl("jobs", "samples", cli_job.job_id, "--json").stdout)
+    assert {x["step"] for x in newest} == {STEPS}  # the newest step's, evaluation included where it evaluated
+    bad = qerl_server.qerl("jobs", "samples", cli_job.job_id, "--kind", "test")
+    assert bad.returncode == 1 and "--kind must be train or eval" in bad.stdout + bad.stderr

@@ -145,6 +145,15 @@ def test_dashboard_shows_the_finished_job_with_its_curves(browser, cli_job: CliJ
     status = _wait(driver, lambda d: (lambda t: t if t not in ("", "downloading…") else None)(
         d.find_element(By.CSS_SELECTOR, "#adapter .ok, #adapter .error").text), what="the adapter download")
     assert status == "sha256 verified"
+    # the newest step's samples, as the API lists them
+    samples = httpx.get(f"{qerl_server.url}/v1/fine_tuning/jobs/{cli_job.job_id}/samples",
+                        headers=qerl_server.headers).json()["data"]
+    shown = driver.find_elements(By.CSS_SELECTOR, "#samples tbody tr")
+    assert samples and len(shown) == len(samples)
+    for row, x in zip(shown, samples):
+        cells = [c.text for c in row.find_elements(By.TAG_NAME, "td")]
+        assert cells[:3] == [str(x["step"]), x["kind"], str(x["index"])] and cells[4].split() == x["completion"].split()
+    assert driver.find_element(By.ID, "samples-step").text.lower() == f"step {samples[0]['step']}"
     # and its results file, every step's metrics as CSV
     driver.find_element(By.ID, "results-download").click()
     status = _wait(driver, lambda d: (lambda t: t if t not in ("", "downloading…") else None)(

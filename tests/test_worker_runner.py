@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import select, update
 
 from service import queue
-from service.models import Adapter, Checkpoint, File, Job, JobMetric, utcnow
+from service.models import Adapter, Checkpoint, File, Job, JobMetric, JobSample, utcnow
 from service.settings import Settings
 from tests._worker_fixtures import cancel_leftovers, events, make_job, tiny_spec, wait_for_status
 from worker.runner import WorkerContext, run_job
@@ -97,6 +97,20 @@ def test_success_packs_a_peft_adapter_and_records_progress(ctx, sessions):
         for row, m in zip(table, _metrics(s, job.id)):
             assert {k: float(v) for k, v in row.items() if v and k != "step"} == pytest.approx(m.values, rel=0, abs=0)
         assert [bool(r["eval/reward_mean"]) for r in table] == [True, False, True, True]
+        # the reported samples (log_samples 4 = every one of a step's 2 prompts x 2 samples; 2 eval prompts):
+        # their rewards are the ones the step's metrics averaged
+        samples = s.scalars(select(JobSample).where(JobSample.job_id == job.id)
+                            .order_by(JobSample.step, JobSample.kind, JobSample.index)).all()
+        by = {}
+        for x in samples:
+            by.setdefault((x.step, x.kind), []).append(x)
+        assert sorted(by) == [(0, "eval"), (1, "train"), (2, "eval"), (2, "train"), (3, "eval"), (3, "train")]
+        for (step, kind), xs in by.items():
+            assert [x.index for x in xs] == list(range(4 if kind == "train" else 2))
+            key = "reward_mean" if kind == "train" else "eval/reward_mean"
+            assert sum(x.reward for x in xs) / len(xs) == pytest.approx(evals[step][key], abs=1e-9)
+            assert all(x.prompt.endswith("assistant\n") and x.finish_reason in ("stop", "length") for x in xs)
+            assert all(x.tokens > 0 and x.scores == {"task": x.reward} for x in xs)
 
 
 def test_a_job_cancelled_as_it_succeeds_leaves_neither_adapter_nor_results_file(ctx, sessions, monkeypatch):
@@ -470,3 +484,21 @@ def test_database_writes_retry_with_backoff_while_the_lease_lasts_then_give_up()
         keeper.retry(write, "a test write")
     assert len(tries) == 1
     engine.dispose()
+
+
+def test_reported_samples_are_stored_even_with_a_nul_and_replace_a_rerun_of_the_step(ctx, sessions):
+    from worker.reporter import DBReporter
+
+    with sessions() as s:
+        job = make_job(s, tiny_spec("tiny"))
+        attempt = queue.claim(s, job.id, "test-worker", lease_seconds=60).attempt
+    rep = DBReporter(sessions, job.id, attempt, artifact_dir=ctx.settings.artifact_dir, total_steps=3,
+                     retry=lambda write, what: write())
+    row = {"index": 0, "prompt": "say\x00it", "completion": "a\x00b", "reward": 0.5, "scores": {"task": 0.5},
+           "finish_reason": "stop", "tokens": 3}
+    rep.samples(1, "train", [row, row | {"index": 1}])
+    rep.samples(1, "train", [row | {"completion": "again"}])  # the same attempt re-reports the step: replaced
+    with sessions() as s:
+        got = s.scalars(select(JobSample).where(JobSample.job_id == job.id)).all()
+        assert [(x.index, x.prompt, x.completion) for x in got] == [(0, "say\ufffdit", "again")]
+        queue.finish(s, job.id, attempt, "cancelled")

@@ -15,11 +15,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from service import queue
-from service.models import Checkpoint, Job, JobMetric, new_id, utcnow
+from service.models import Checkpoint, Job, JobMetric, JobSample, new_id, utcnow
 from worker.artifacts import pack_checkpoint_adapter
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,11 @@ def clean_values(values: dict[str, Any]) -> dict[str, float | None]:
             continue
         out[str(k)] = f if math.isfinite(f) else None
     return out
+
+
+def _text(value: Any) -> str:
+    """Text Postgres stores: a NUL (which a model can emit) becomes U+FFFD."""
+    return str(value).replace("\x00", "\ufffd")
 
 
 def step_message(step: int, total: int, values: dict[str, float | None]) -> str:
@@ -82,6 +87,20 @@ class DBReporter:
                                 type="metrics", data={"step": step, "total_steps": self.total_steps, **vals})
 
         self._write(write, f"writing the metrics of step {step}")
+
+    def samples(self, step: int, kind: str, rows: list[dict[str, Any]]) -> None:
+        """A step's (or evaluation's) reported samples; a re-run of the step by this attempt replaces them."""
+        def write(s: Session) -> None:
+            s.execute(delete(JobSample).where(JobSample.job_id == self.job_id, JobSample.step == step,
+                                              JobSample.kind == kind, JobSample.attempt == self.attempt))
+            now = utcnow()
+            s.add_all(JobSample(job_id=self.job_id, attempt=self.attempt, step=step, kind=kind, index=r["index"],
+                                prompt=_text(r["prompt"]), completion=_text(r["completion"]),
+                                reward=float(r["reward"]), scores=clean_values(r["scores"]),
+                                finish_reason=str(r["finish_reason"])[:16], tokens=int(r["tokens"]), created_at=now)
+                      for r in rows)
+
+        self._write(write, f"writing the samples of step {step}")
 
     def checkpoint(self, step: int, path: Path, metrics: dict[str, float] | None = None) -> None:
         path = Path(path).resolve()

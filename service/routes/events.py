@@ -1,5 +1,6 @@
-"""A job's events (JSON list, newest first, or a live SSE stream), metrics and checkpoints (each
-downloadable as a PEFT adapter while it is kept on disk, or for good with keep_checkpoint_adapters).
+"""A job's events (JSON list, newest first, or a live SSE stream), metrics, reported samples and
+checkpoints (each downloadable as a PEFT adapter while it is kept on disk, or for good with
+keep_checkpoint_adapters).
 
 JSON: OpenAI's shape; ``after`` is the id of the last (oldest) event of the previous page, so the
 SDK's auto-pagination walks back in time. SSE (``Accept: text/event-stream``): oldest first from
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 from fastapi import APIRouter, Query, Request
@@ -22,7 +23,8 @@ from service.auth import CurrentKey
 from service.deps import ReadSessionDep, ReleasingRoute, SessionDep, SettingsDep, StoreDep, json_response
 from service.errors import APIError, not_found
 from service.models import Checkpoint, Job
-from service.schemas import CheckpointDeleted, FineTuningJobCheckpoint, FineTuningJobEvent, ListPage, StepMetrics
+from service.schemas import (CheckpointDeleted, FineTuningJobCheckpoint, FineTuningJobEvent, JobSampleView, ListPage,
+                             StepMetrics)
 from service.storage import verified_artifact
 from service.views import TERMINAL, checkpoint_view, event_view, parse_event_id, unix
 
@@ -88,6 +90,22 @@ def job_metrics(job_id: str, key: CurrentKey, session: ReadSessionDep, after_ste
     data = [StepMetrics(step=r.step, attempt=r.attempt, created_at=unix(r.created_at) or 0, values=r.values)
             for r in rows]
     return ListPage.of(data, more, key=lambda m: str(m.step))
+
+
+@router.get("/samples", response_model=ListPage[JobSampleView])
+def job_samples(job_id: str, key: CurrentKey, session: ReadSessionDep, step: int | None = None,
+                kind: Literal["train", "eval"] | None = None, after_step: int | None = None,
+                order: Literal["asc", "desc"] = "desc",
+                limit: int = Query(1, ge=1, le=100, description="steps per page")) -> ListPage[JobSampleView]:
+    """The samples the job reported (qerl.log_samples per step and per evaluation): by default the
+    newest step's; ``step=N`` that step's; ``limit`` steps a page, ``after_step`` the cursor."""
+    _job(session, key.project, job_id)
+    rows, more = crud.job_samples(session, job_id, step=step, kind=kind, after_step=after_step, limit=limit,
+                                  newest_first=order == "desc")
+    data = [JobSampleView(step=r.step, kind=r.kind, index=r.index, attempt=r.attempt,  # type: ignore[arg-type]
+                          prompt=r.prompt, completion=r.completion, reward=r.reward, scores=r.scores, finish_reason=r.finish_reason,
+                          tokens=r.tokens, created_at=unix(r.created_at) or 0) for r in rows]
+    return ListPage.of(data, more, key=lambda x: str(x.step))
 
 
 @router.get("/checkpoints", response_model=ListPage[FineTuningJobCheckpoint])

@@ -326,8 +326,18 @@
       document.getElementById('job-pause').hidden = !['validating_files', 'queued', 'running'].includes(j.status);
       document.getElementById('job-resume').hidden = j.status !== 'paused';
       main.dataset.status = j.status;
-      if (p.step !== lastStep) { lastStep = p.step; loadCheckpoints(); }
+      if (p.step !== lastStep) { lastStep = p.step; loadCheckpoints(); loadSamples(); }
       if (j.qerl.adapter_id) showAdapter(j.qerl.adapter_id, j.result_files || []);
+    }
+
+    async function loadSamples() {
+      const page = await getJSON(`/v1/fine_tuning/jobs/${jobId}/samples`, { signal: abort.signal });
+      const rows = page.data.map((x) => el('tr', { 'data-kind': x.kind },
+        el('td', {}, x.step), el('td', {}, x.kind), el('td', {}, x.index), el('td', {}, fmt(x.reward)),
+        el('td', { class: 'wrap sample', title: x.prompt }, x.completion)));
+      document.querySelector('#samples tbody').replaceChildren(...rows);
+      document.getElementById('samples-empty').hidden = rows.length > 0;
+      document.getElementById('samples-step').textContent = page.data.length ? `step ${page.data[0].step}` : '';
     }
 
     async function loadCheckpoints() {
