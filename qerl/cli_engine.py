@@ -1,7 +1,7 @@
 """`qerl train SPEC.json` and `qerl quantize MODEL OUT_DIR`: the engine without the service.
 
 ``train`` runs ``engine.train`` in this process with a progress bar and writes the adapter to
-``<workdir>/adapter``; Ctrl-C stops at the next step boundary with a checkpoint that
+``<workdir>/adapter`` and the reported samples to ``<workdir>/samples.jsonl``; Ctrl-C stops at the next step boundary with a checkpoint that
 ``--resume`` continues from. ``quantize`` writes a compressed-tensors NVFP4 checkpoint that
 vLLM and transformers load.
 """
@@ -20,12 +20,20 @@ console = Console()
 
 
 class ProgressReporter:
-    """Reporter that draws a progress bar and prints events, evaluations and checkpoints."""
+    """Reporter that draws a progress bar and prints events, evaluations and checkpoints; the
+    reported samples go to ``samples_path`` (JSON lines: step, kind, then the sample)."""
 
-    def __init__(self, progress: Progress, total: int) -> None:
+    def __init__(self, progress: Progress, total: int, samples_path: Path | None = None) -> None:
         self.progress = progress
         self.task = progress.add_task("train", total=total, reward="-", sigma="-", tps="-")
         self.steps: list[tuple[int, dict[str, float]]] = []
+        self.samples_path = samples_path
+
+    def samples(self, step: int, kind: str, rows: list[dict[str, Any]]) -> None:
+        if self.samples_path is not None:
+            self.samples_path.parent.mkdir(parents=True, exist_ok=True)
+            with self.samples_path.open("a") as fh:
+                fh.writelines(json.dumps({"step": step, "kind": kind, **r}) + "\n" for r in rows)
 
     def event(self, level: str, message: str, data: dict[str, Any] | None = None) -> None:
         style = {"warn": "yellow", "warning": "yellow", "error": "red"}.get(level, "dim")
@@ -80,7 +88,7 @@ def train_cmd(
                TimeElapsedColumn(), TimeRemainingColumn())
     try:
         with Progress(*columns, console=console) as progress:
-            reporter = ProgressReporter(progress, spec.steps)
+            reporter = ProgressReporter(progress, spec.steps, samples_path=workdir / "samples.jsonl")
             result = train(spec, workdir=workdir, reporter=reporter, should_stop=lambda: stop["requested"],
                            resume_from=resume)
     except TrainError as exc:

@@ -361,6 +361,9 @@ def test_cli_train_and_quantize(tiny_dir, tmp_path):
     assert result.exit_code == 0, result.output
     assert "finished after 1 steps" in result.output
     assert (tmp_path / "run" / "adapter" / MANIFEST).is_file()
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert {(x["step"], x["kind"]) for x in samples} >= {(1, "train")}
+    assert all({"prompt", "completion", "reward", "scores", "finish_reason", "tokens"} <= set(x) for x in samples)
 
     bad = runner.invoke(app, ["train", str(tmp_path / "d.jsonl")])
     assert bad.exit_code != 0
