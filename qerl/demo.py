@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from qerl.client import Client, QerlError
@@ -67,6 +68,22 @@ def _eval_table(metrics: list[dict]) -> Table:
     return table
 
 
+def _show_samples(client: Client, job_id: str, n: int = 2) -> None:
+    """Held-out prompts' greedy answers before training (step 0) and after (the last evaluation):
+    those whose reward changed most, else the first ones."""
+    before = client.samples(job_id, step=0, kind="eval")
+    after = client.get(f"/v1/fine_tuning/jobs/{job_id}/samples", kind="eval")["data"]
+    if not before or not after:
+        return
+    console.print(f"[bold]Held-out answers[/] (greedy), before training and after step {after[0]['step']}:")
+    pairs = sorted(zip(before, after), key=lambda p: p[0]["reward"] - p[1]["reward"])  # most improved first
+    for b, a in pairs[:n]:
+        question = b["prompt"].rsplit("user\n", 1)[-1].split("<|im_end|>", 1)[0].strip()[-200:]
+        console.print(f"  [dim]{escape(question)}[/]")
+        for label, x in (("before", b), ("after", a)):
+            console.print(f"    {label:6} reward {x['reward']:.2f}: {escape(' '.join(x['completion'].split())[:160])}")
+
+
 def run_demo(data_dir: Path, steps: int | None) -> int:
     from engine.data.demo import DEMO_SPEC  # torch-free
 
@@ -97,6 +114,7 @@ def run_demo(data_dir: Path, steps: int | None) -> int:
             return 1
         metrics = client.metrics(job["id"])
         console.print(_eval_table(metrics))
+        _show_samples(client, job["id"])
         adapter_id = job["qerl"]["adapter_id"]
         out = client.download_adapter(adapter_id, data_dir / "adapters" / adapter_id)
         console.print(f"Adapter [bold]{adapter_id}[/] downloaded (sha256 verified) to {out}; "

@@ -40,6 +40,7 @@ DEMO_SPEC: dict[str, Any] = {
     "prompts_per_step": 8,
     "micro_batch_size": 16,
     "checkpoint_interval": 10,
+    "log_samples": 20,  # every held-out answer of each evaluation (the demo shows the most improved)
     "gradient_checkpointing": False,  # 135M fits; recomputation would only slow the CPU steps
     "seed": 0,
 }
