@@ -105,6 +105,9 @@ class _Run:
         self.initial_eval: dict[str, float] = {}
         self.last_metrics: dict[str, float] = {}
         self.last_eval_step: int | None = None  # the step of the latest evaluation
+        self._step_boundary: _Boundary | None = None  # the running step's start, while one is under way
+        self._step_samples: list[dict[str, Any]] = []  # the running step's samples, reported with its metrics
+        self._saved: tuple[int, Path] | None = None  # the step and path of the latest checkpoint
         self.rollout: Any = None  # engine.rollout.backend.RolloutBackend, from _setup
         self.gpu_memory_cap_gib: float | None = None  # spec.max_gpu_memory_gib once applied to the device
         self._gpu_total = 0  # bytes of that device
@@ -290,9 +293,8 @@ class _Run:
             if exc.kind != "server":  # a refusal or an unreadable reply: the grader's setup, not an outage
                 raise
             clear_noise(self.model.aqn_norms())
-            saved = getattr(self, "_saved", None)
-            if saved is not None and saved[0] == self.step:  # the step's checkpoint is this very boundary
-                path = saved[1]
+            if self._saved is not None and self._saved[0] == self.step:  # the step's checkpoint is this boundary
+                path = self._saved[1]
             else:
                 path = self._save(self._step_boundary or self._boundary())  # mid-step: the step's start
             raise GraderUnavailable(f"{exc}. The run stopped at step {self.step}/{spec.steps} with a checkpoint "
@@ -300,7 +302,6 @@ class _Run:
 
     def _loop(self) -> TrainResult:
         spec = self.spec
-        self._step_boundary: _Boundary | None = None  # set while a step is under way
         if self.step == 0 and not self.initial_eval:
             result = self._evaluate()
             if result is None:
