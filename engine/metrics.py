@@ -22,6 +22,8 @@ Per rollout step (``Reporter.metrics``), over all G samples of all prompts of th
     rollout_tokens_per_s, rollout_s   generated tokens / rollout seconds; rollout seconds
     grade_s                      seconds the grader took over the step's samples (a judge model's
                                  requests, python graders' sandboxes)
+    judge_tokens                 prompt + completion tokens a model grader's judge reported using
+                                 for the step (only with model graders whose judge reports usage)
     step_s, peak_memory_mb       wall time of the step; peak CUDA allocation or process max RSS
     updates_skipped              1 when every group was dropped and no update ran (the update
                                  keys above are then absent)

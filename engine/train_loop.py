@@ -34,7 +34,7 @@ import torch
 from engine import checkpoint as ckpt
 from engine.evaluate import evaluate, grade
 from engine.metrics import UpdateStats, peak_memory_mb, report_samples, sample_metrics, sample_rows
-from engine.rewards.model_grader import ModelGraderError
+from engine.rewards.model_grader import ModelGraderError, judge_tokens
 from engine.rl.advantages import group_advantages, keep_groups
 from engine.rl.aqn import apply_noise, clear_noise, sigma_for_step
 from engine.rl.loss import effective_mask, loss_denominator, policy_loss
@@ -356,9 +356,10 @@ class _Run:
             clear_noise(norms)
             return None
 
-        t_grade = time.monotonic()
+        t_grade, tokens_before = time.monotonic(), judge_tokens(self.grader)
         scores, parts, correct = grade(self.grader, completions, items)
         grade_s = time.monotonic() - t_grade
+        judge_used = judge_tokens(self.grader) - tokens_before
         self._step_samples = sample_rows(self.tokenizer, prompts, completions, scores, parts, spec.log_samples)
         rewards = torch.tensor(scores, dtype=torch.float32)  # (N*G,)
         adv, zero_var = group_advantages(rewards, G, std_normalize=spec.rl.std_normalize, eps=spec.rl.adv_eps)
@@ -369,6 +370,8 @@ class _Run:
                                  [c.finish_reason == "length" for c in completions])
         metrics.update(zero_var_frac=float(zero_var.float().mean()), aqn_sigma=sigma,
                        rollout_tokens_per_s=n_tokens / max(gen_s, 1e-9), rollout_s=gen_s, grade_s=grade_s)
+        if judge_used:
+            metrics["judge_tokens"] = float(judge_used)
 
         clear_noise(norms)
         rows = keep.nonzero().flatten().tolist()

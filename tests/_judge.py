@@ -87,8 +87,11 @@ def _handler(judge: Judge) -> type[BaseHTTPRequestHandler]:
                                       if schema == "score" else f"My verdict: {label}.")
             else:
                 message["content"] = json.dumps({"result": score} if schema == "score" else {"label": label})
+            prompt_tokens = sum(len(m["content"].split()) for m in body["messages"])  # words stand for tokens
             self._send(200, {"id": f"chatcmpl-{n}", "object": "chat.completion", "model": body["model"],
-                             "choices": [{"index": 0, "message": message, "finish_reason": "stop"}]})
+                             "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 5,
+                                       "total_tokens": prompt_tokens + 5}})
 
     return Handler
 

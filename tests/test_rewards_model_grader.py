@@ -117,6 +117,9 @@ def test_inside_a_multi_grader_and_the_training_loops_grading(judge):
     scores, parts, correct = grade(multi, completions, [ITEM] * 3)
     assert scores == pytest.approx([1.5, 0.5, 0.0]) and parts[1] == {"judge": 5.0, "exact": 0.0}
     assert len(judge.requests) == 3
+    # the judge's reported usage, summed through the multi grader
+    assert model_grader.judge_tokens(multi) == sum(
+        sum(len(m["content"].split()) for m in r["body"]["messages"]) + 5 for r in judge.requests)
     judge.behaviour = "down"
     with pytest.raises(TrainError) as exc:  # the job fails grader_error, naming the judge
         grade(multi, completions, [ITEM] * 3)

@@ -162,6 +162,8 @@ def test_a_job_graded_by_a_judge_model_trains_and_pauses_while_the_judge_is_down
         with sessions() as s:
             rewards = [m.values["reward/verdict"] for m in _metrics(s, job.id)]
             assert all(m.values["grade_s"] >= judge.delay_s for m in _metrics(s, job.id))  # the judge's time
+            used = [sum(len(x["content"].split()) for x in r["body"]["messages"]) + 5 for r in judge.requests]
+            assert [m.values["judge_tokens"] for m in _metrics(s, job.id)] == [sum(used[:4]), sum(used[4:])]
         expected = [sum(judge.verdict(r["body"])[0] == "correct" for r in judge.requests[k:k + 4]) / 4 for k in (0, 4)]
         assert rewards == expected
 

@@ -60,6 +60,7 @@ class Judge:
         self.concurrency = int(_setting("QERL_GRADER_CONCURRENCY", 8, int, path))
         self._lock = threading.Lock()
         self._http: Any = None
+        self.tokens = 0  # prompt + completion tokens the judge reported using (its replies' usage)
 
     def _client(self) -> Any:
         """One connection pool for the grader's life (httpx's client is safe across threads)."""
@@ -70,6 +71,12 @@ class Judge:
                 headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
                 self._http = httpx.Client(headers=headers, timeout=self.timeout_s)
             return self._http
+
+    def _count(self, resp: Any) -> None:
+        usage = resp.json().get("usage") or {}
+        used = sum(v for v in (usage.get("prompt_tokens"), usage.get("completion_tokens")) if isinstance(v, int))
+        with self._lock:
+            self.tokens += used
 
     def ask(self, body: dict[str, Any]) -> dict[str, Any]:
         """The judge's reply message, retried on transient failures."""
@@ -82,13 +89,24 @@ class Judge:
                 problem = f"{type(exc).__name__}: {exc}"
             else:
                 if resp.status_code < 400:
-                    return _message(resp)
+                    message = _message(resp)
+                    self._count(resp)
+                    return message
                 problem = f"HTTP {resp.status_code}: {resp.text[:300]}"
                 if resp.status_code not in RETRY_STATUS:
                     break
             if attempt < len(BACKOFF_S):
                 time.sleep(BACKOFF_S[attempt])
         raise ModelGraderError("server", f"the judge at {self.url} (model {body['model']!r}) failed: {problem}")
+
+
+def judge_tokens(grader: Any) -> int:
+    """Tokens the judges of ``grader`` (a model grader, or one inside a multi grader) have used so far."""
+    subs = getattr(grader, "graders", None)
+    if isinstance(subs, dict):
+        return sum(judge_tokens(g) for g in subs.values())
+    judge = getattr(grader, "judge", None)
+    return judge.tokens if judge is not None else 0
 
 
 def _setting(name: str, default: float, kind: type, path: str) -> float:
