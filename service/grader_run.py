@@ -115,10 +115,18 @@ def _children(pid: int) -> list[int]:
 
 
 # -- the child process -----------------------------------------------------------------------
+def _judge_models(grader: Any) -> list[str]:
+    """The judge models a grader asks (a model grader's, or those inside a multi grader), once each."""
+    subs = getattr(grader, "graders", None)
+    if isinstance(subs, dict):
+        return list(dict.fromkeys(m for g in subs.values() for m in _judge_models(g)))
+    return [grader.model] if getattr(grader, "judge", None) is not None else []
+
+
 def _grade(job: dict[str, Any]) -> dict[str, Any]:
     """Build the grader and call it once, as engine.evaluate.grade does; failures as data."""
     from engine.rewards import build_grader
-    from engine.rewards.model_grader import ModelGraderError
+    from engine.rewards.model_grader import ModelGraderError, judge_tokens
     from engine.rewards.multi import MultiGrader
     from engine.rewards.python_grader import GraderError
 
@@ -147,7 +155,10 @@ def _grade(job: dict[str, Any]) -> dict[str, Any]:
                     "message": f"the grader's output is not finite ({score}, parts {parts}); keep "
                                "calculate_output's constants small enough that it stays below 1e308"}
         subs = {k: parts[k] for k in grader.graders} if isinstance(grader, MultiGrader) else {}
-        return {"reward": score, "scores": parts, "sub_rewards": subs, "execution_time": elapsed}
+        judged = _judge_models(grader)
+        return {"reward": score, "scores": parts, "sub_rewards": subs, "execution_time": elapsed,
+                "token_usage": judge_tokens(grader) if judged else None,
+                "sampled_model_name": ", ".join(judged) or None}
     return {**failure, "execution_time": time.perf_counter() - start}
 
 

@@ -54,12 +54,13 @@ def run(client, key, grader: dict, sample: str, item: dict | None = None, status
     return resp.json()
 
 
-def assert_scored(result: dict, reward: float, scores: dict, sub_rewards: dict | None = None) -> None:
+def assert_scored(result: dict, reward: float, scores: dict, sub_rewards: dict | None = None,
+                  judged: tuple = (None, None)) -> None:
     assert result["reward"] == pytest.approx(reward, abs=1e-12), result
     assert result["metadata"]["scores"] == pytest.approx(scores, abs=1e-12)
     assert result["sub_rewards"] == pytest.approx(sub_rewards or {}, abs=1e-12)
     assert result["metadata"]["errors"] == NO_ERRORS and result["qerl"]["error"] is None
-    assert result["metadata"]["token_usage"] is None and result["metadata"]["sampled_model_name"] is None
+    assert (result["metadata"]["token_usage"], result["metadata"]["sampled_model_name"]) == judged
     assert result["model_grader_token_usage_per_model"] == {}
     assert 0 <= result["metadata"]["execution_time"] < 30
 
@@ -265,8 +266,11 @@ def test_run_model_graders_ask_the_servers_judge(client, key_a, monkeypatch):
     label = {"type": "label_model", "name": "verdict", "model": "judge-7b", "input": prompt,
              "labels": ["correct", "incorrect"], "passing_labels": ["correct"]}
     try:
-        assert_scored(run(client, key_a, score, "It is 19.", {"answer": "19"}), 5.0, {"judge": 5.0})
-        assert_scored(run(client, key_a, label, "20", {"answer": "19"}), 0.0, {"verdict": 0.0})
+        used = len("reference: 19\nsample: It is 19.".split()) + 5  # the judge's reported usage
+        assert_scored(run(client, key_a, score, "It is 19.", {"answer": "19"}), 5.0, {"judge": 5.0},
+                      judged=(used, "judge-7b"))
+        assert_scored(run(client, key_a, label, "20", {"answer": "19"}), 0.0, {"verdict": 0.0},
+                      judged=(used - 2, "judge-7b"))
         assert judge.requests[0]["body"]["messages"] == [{"role": "user", "content": "reference: 19\nsample: It is 19."}]
         for behaviour, flag in (("refuse", "model_grader_refusal_error"), ("garbage", "model_grader_parse_error"),
                                 ("not_found", "model_grader_server_error")):

@@ -53,7 +53,9 @@ def run_grader(body: GraderRun, key: CurrentKey, settings: SettingsDep) -> Grade
     if failure == "invalid_item":
         raise APIError(422, f"item: {result['message']}", code="invalid_value", param="item")
     metadata = GraderRunMetadata(name=grader.name, type=grader.type, errors=_errors(result),
-                                 execution_time=result["execution_time"], scores=result.get("scores", {}))
+                                 execution_time=result["execution_time"], scores=result.get("scores", {}),
+                                 token_usage=result.get("token_usage"),
+                                 sampled_model_name=result.get("sampled_model_name"))
     return GraderRunResult(reward=result.get("reward", 0.0), metadata=metadata,
                            sub_rewards=result.get("sub_rewards", {}), qerl=GraderRunQerl(error=result.get("message")))
 
