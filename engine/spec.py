@@ -37,6 +37,9 @@ def _check_range(name: str, value: float, lo: float, hi: float, *, lo_open: bool
         raise ValueError(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}]; got {value!r}")
 
 
+FINAL_ADAPTERS = ("last", "best_eval")
+
+
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
@@ -223,6 +226,9 @@ class TrainSpec:
     # how many of each step's samples (prompt, completion, reward) to report, the first prompts'
     # groups, and as many of each evaluation's greedy completions; 0: none
     log_samples: int = 4
+    # the job's adapter: the LoRA after the last step, or (best_eval) the LoRA of the evaluated step
+    # whose held-out reward was highest (the later one on a tie; the start counts too)
+    final_adapter: str = "last"
     # a PEFT LoRA directory to start from (a fine-tuned model trained further): its rank, alpha,
     # target modules and rsLoRA must equal lora's; None: a fresh LoRA (B = 0)
     init_adapter: str | None = None
@@ -245,6 +251,11 @@ class TrainSpec:
         _check_range("eval_interval", self.eval_interval, 0, 1_000_000)
         _check_range("checkpoint_interval", self.checkpoint_interval, 0, 1_000_000)
         _check_range("log_samples", self.log_samples, 0, 64)
+        _check_choice("final_adapter", self.final_adapter, FINAL_ADAPTERS)
+        if self.final_adapter == "best_eval" and self.data.eval_size == 0 and self.data.validation_file is None:
+            raise ValueError("final_adapter=best_eval keeps the LoRA of the step whose held-out evaluation scored "
+                             "best, and this job holds out no prompts: set data.eval_size above 0 (or a "
+                             "validation_file)")
         _check_range("seed", self.seed, 0, 2**63 - 1)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")

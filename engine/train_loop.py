@@ -108,6 +108,7 @@ class _Run:
         self._step_boundary: _Boundary | None = None  # the running step's start, while one is under way
         self._step_samples: list[dict[str, Any]] = []  # the running step's samples, reported with its metrics
         self._saved: tuple[int, Path] | None = None  # the step and path of the latest checkpoint
+        self.best_eval: tuple[int, float] | None = None  # final_adapter=best_eval: (step, eval reward) so far
         self.rollout: Any = None  # engine.rollout.backend.RolloutBackend, from _setup
         self.gpu_memory_cap_gib: float | None = None  # spec.max_gpu_memory_gib once applied to the device
         self._gpu_total = 0  # bytes of that device
@@ -207,6 +208,11 @@ class _Run:
         self.eval_prompts = encode_prompts(self.tokenizer, eval_ex, spec.data.max_prompt_tokens, "eval")
         self.train_items = [ex.item for ex in train_ex]
         self.eval_items = [ex.item for ex in eval_ex]
+        if spec.final_adapter == "best_eval" and not self.eval_prompts:
+            raise TrainError("invalid_spec", "final_adapter=best_eval keeps the LoRA of the step whose held-out "
+                                             "evaluation scored best, and this job holds out no prompts: set "
+                                             "data.eval_size above 0 (or a validation_file), and eval_interval to "
+                                             "evaluate between the start and the end")
         self.cursor = DataCursor(len(train_ex), spec.seed)
         self.params = adapter_params(self.model)
         self.optimizer = build_optimizer(self.params, spec.optim, self.device)
@@ -268,6 +274,8 @@ class _Run:
         self.elapsed_before = float(saved.state.get("elapsed_s", 0.0))
         self.initial_eval = dict(saved.state.get("initial_eval", {}))
         self.last_metrics = dict(saved.state.get("metrics", {}))
+        best = saved.state.get("best_eval")
+        self.best_eval = (int(best[0]), float(best[1])) if best else None
         self.reporter.event("info", f"Resumed from checkpoint step {self.step}",
                             {"step": self.step, "checkpoint": str(saved.path)})
 
@@ -465,7 +473,14 @@ class _Run:
                                     f"accuracy {result['eval/accuracy']:.3f} on {len(self.eval_prompts)} prompts",
                             {"step": self.step, **result})
         self.last_eval, self.last_eval_step = result, self.step
+        if self.spec.final_adapter == "best_eval" and (self.best_eval is None
+                                                       or result["eval/reward_mean"] >= self.best_eval[1]):
+            self._write_adapter(self._best_dir(self.step), stopped=False)  # this step's LoRA, kept until the end
+            self.best_eval = (self.step, float(result["eval/reward_mean"]))
         return result
+
+    def _best_dir(self, step: int) -> Path:
+        return self.workdir / "best-adapters" / f"step-{step:06d}"
 
     def _boundary(self) -> _Boundary:
         return _Boundary(rng=ckpt.capture_rng(self.generators), data=self.cursor.state())
@@ -478,7 +493,8 @@ class _Run:
 
         state = {"data": boundary.data, "trained_tokens": self.trained_tokens, "elapsed_s": self._elapsed(),
                  "initial_eval": self.initial_eval, "metrics": self.last_metrics,
-                 "aqn": {"sigma_next": sigma_for_step(self.step, self.spec.steps, self.spec.aqn)}}
+                 "aqn": {"sigma_next": sigma_for_step(self.step, self.spec.steps, self.spec.aqn)},
+                 "best_eval": list(self.best_eval) if self.best_eval is not None else None}
         partial = self.step < self.spec.steps
         path = ckpt.save_checkpoint(self.workdir / "checkpoints", self.step, adapter=adapter_state_dict(self.model),
                                     optimizer=self.optimizer.state_dict(), scheduler=self.scheduler.state_dict(),
@@ -514,11 +530,42 @@ class _Run:
             return self._stop(self._boundary())
         adapter = self._write_adapter(stopped=False)
         final = self._final_metrics()
+        if self.spec.final_adapter == "best_eval":
+            final = self._take_best(adapter, final)
         self.reporter.event("info", f"Training finished: {self.step} steps in {self._elapsed():.0f} s; "
                                     f"eval accuracy {self.initial_eval.get('eval/accuracy', float('nan')):.3f} -> "
                                     f"{final.get('eval/accuracy', float('nan')):.3f}",
                             {"steps": self.step, "adapter_dir": str(adapter), **final})
         return TrainResult(adapter_dir=adapter, steps=self.step, metrics=final, stopped=False)
+
+    def _take_best(self, adapter: Path, final: dict[str, float]) -> dict[str, float]:
+        """final_adapter=best_eval: the best evaluated step's LoRA becomes the job's adapter
+        (``adapter``, replaced whole); the final metrics are that step's."""
+        import json
+        import shutil
+
+        from engine.manifest import MANIFEST
+
+        step, score = self.best_eval or (self.step, float("nan"))
+        best = self._best_dir(step)
+        if step != self.step and not best.is_dir():  # lost with a workdir the run could not keep
+            self.reporter.event("warn", f"The LoRA of step {step}, the best evaluated, is gone; the job's adapter "
+                                        f"is the last step's", {"step": step})
+            step = self.step
+        if step != self.step:
+            tmp = adapter.parent / f".tmp-{adapter.name}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(best, tmp)
+            shutil.rmtree(adapter)
+            tmp.rename(adapter)
+            final = dict(json.loads((adapter / MANIFEST).read_text())["metrics"])
+        shutil.rmtree(self.workdir / "best-adapters", ignore_errors=True)
+        final["final_adapter_step"] = float(step)
+        last = self.last_eval.get("eval/reward_mean", float("nan"))
+        self.reporter.event("info", f"The job's adapter is the LoRA of step {step}: the best held-out reward, "
+                                    f"{score:.3f}; the last step's was {last:.3f}",
+                            {"final_adapter_step": step, "eval/reward_mean": score})
+        return final
 
     def _write_adapter(self, out_dir: Path | None = None, *, stopped: bool) -> Path:
         """The PEFT adapter of the LoRA as it is now (the job's result, or a checkpoint's copy)."""

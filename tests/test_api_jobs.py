@@ -88,6 +88,9 @@ BAD = [  # (request body or raw bytes, status, param)
     ({"model": MODEL, "qerl": {"dataset": RG}, "method": {"type": "supervised"}}, 422, "method.type"),
     ({"model": MODEL, "qerl": {"dataset": RG, "lora": {"r": 0}}}, 422, "qerl.lora.r"),
     ({"model": MODEL, "qerl": {"dataset": RG, "quantization": "int3"}}, 422, "qerl.quantization"),
+    ({"model": MODEL, "qerl": {"dataset": RG, "final_adapter": "best"}}, 422, "qerl.final_adapter"),
+    ({"model": MODEL, "qerl": {"dataset": RG, "final_adapter": "best_eval", "data": {"eval_size": 0}}}, 422,
+     "qerl.final_adapter"),
     ({"model": MODEL, "qerl": {"dataset": RG, "bogus": 1}}, 422, "qerl.bogus"),
     ({"model": MODEL, "qerl": {"dataset": RG, "optim": 3}, "method": {"type": "reinforcement", "reinforcement": {
         "grader": STRING_CHECK, "hyperparameters": {"learning_rate_multiplier": 2.0}}}}, 422, "qerl.optim"),

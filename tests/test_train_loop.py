@@ -473,3 +473,49 @@ def test_a_gpu_memory_cap_fits_an_in_process_vllm_share_to_it():
     for spec, r in (run(None), run(16, kv_cache_memory_bytes=2**30),
                     run(16, backend="native", gpu_memory_utilization=0.9)):
         assert r is spec.rollout
+
+
+def test_final_adapter_best_eval_keeps_the_best_evaluated_steps_lora(tiny_model_dir, tmp_path):
+    """final_adapter=best_eval: the job's adapter is the LoRA of the evaluated step with the highest
+    held-out reward (the later one on a tie), the same weights as that step's checkpoint, with
+    that step's metrics; a pause and resume in between keeps the choice."""
+    from tests._worker_fixtures import tiny_spec
+
+    grader = {"type": "text_similarity", "name": "sim", "input": "{{sample.output_text}}",
+              "reference": "{{item.answer}} is the answer", "evaluation_metric": "fuzzy_match"}
+    raw = tiny_spec(str(tiny_model_dir), steps=4, seed=1, eval_interval=1, grader=grader, optim={"lr": 0.05},
+                    rl={"algorithm": "grpo", "mask_truncated": False}, data={"eval_size": 2},
+                    final_adapter="best_eval", keep_checkpoint_adapters=True)
+    spec = TrainSpec.from_dict(raw)
+    rep, work = NullReporter(), tmp_path / "run"
+    result = train(spec, workdir=work, reporter=rep, should_stop=lambda: False)
+    evals = [(step, v["eval/reward_mean"]) for step, v in rep.steps if "eval/reward_mean" in v]
+    assert [s for s, _ in evals] == [0, 1, 2, 3, 4] and len({r for _, r in evals}) > 1  # the LoRA moved the answers
+    best = max(evals, key=lambda e: (e[1], e[0]))
+    assert best[0] == 1  # with this seed: not the last step, so the swap is exercised
+    assert result.metrics["final_adapter_step"] == best[0] and result.metrics["eval/reward_mean"] == best[1]
+    manifest = json.loads((work / "adapter" / MANIFEST).read_text())
+    assert manifest["steps"] == best[0] and manifest["metrics"]["eval/reward_mean"] == best[1]
+    mine = load_file(str(work / "adapter" / "adapter_model.safetensors"))
+    kept = load_file(str(work / "checkpoint-adapters" / f"step-{best[0]:06d}" / "adapter_model.safetensors"))
+    assert mine.keys() == kept.keys() and all(torch.equal(mine[k], kept[k]) for k in mine)
+    assert not (work / "best-adapters").exists()
+    assert any("adapter is the LoRA of step 1" in m for _, m, _ in rep.events)
+
+    # stopped after step 2 and resumed: the same choice (the best so far travels in the checkpoint)
+    def stop_after_two() -> bool:
+        return len([1 for s, v in rep2.steps if "reward_mean" in v]) >= 2
+
+    rep2, work2 = NullReporter(), tmp_path / "run2"
+    stopped = train(spec, workdir=work2, reporter=rep2, should_stop=stop_after_two)
+    assert stopped.stopped and stopped.steps == 2
+    again = train(spec, workdir=work2, reporter=NullReporter(), should_stop=lambda: False,
+                  resume_from=work2 / "checkpoints" / "step-000002")
+    assert again.metrics["final_adapter_step"] == best[0]
+    resumed = load_file(str(work2 / "adapter" / "adapter_model.safetensors"))
+    assert all(torch.equal(resumed[k], mine[k]) for k in mine)
+
+    with pytest.raises(ValueError, match="final_adapter=best_eval .* set data.eval_size above 0"):
+        TrainSpec.from_dict(raw | {"data": raw["data"] | {"eval_size": 0}})  # nothing held out: nothing to pick by
+    with pytest.raises(ValueError, match="final_adapter must be one of last, best_eval"):
+        TrainSpec.from_dict(raw | {"final_adapter": "best"})
