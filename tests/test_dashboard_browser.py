@@ -76,6 +76,7 @@ def _series_pixels(driver, metric: str) -> int:  # type: ignore[no-untyped-def]
 @needs_chromium
 def test_dashboard_shows_the_finished_job_with_its_curves(browser, cli_job: CliJob, qerl_server: Served) -> None:
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
 
     driver = browser
     ARTIFACTS.mkdir(exist_ok=True)
@@ -154,6 +155,14 @@ def test_dashboard_shows_the_finished_job_with_its_curves(browser, cli_job: CliJ
         cells = [c.text for c in row.find_elements(By.TAG_NAME, "td")]
         assert cells[:3] == [str(x["step"]), x["kind"], str(x["index"])] and cells[4].split() == x["completion"].split()
     assert driver.find_element(By.ID, "samples-step").text.lower() == f"step {samples[0]['step']}"
+    pick = driver.find_element(By.ID, "samples-pick")  # another step's, by number
+    pick.send_keys("1", Keys.ENTER)
+    first = httpx.get(f"{qerl_server.url}/v1/fine_tuning/jobs/{cli_job.job_id}/samples", params={"step": 1},
+                      headers=qerl_server.headers).json()["data"]
+    _wait(driver, lambda d: d.find_element(By.ID, "samples-step").text.lower() == "step 1" or None,
+          what="step 1's samples")
+    shown = driver.find_elements(By.CSS_SELECTOR, "#samples tbody tr")
+    assert [r.find_elements(By.TAG_NAME, "td")[4].text.split() for r in shown] == [x["completion"].split() for x in first]
     # and its results file, every step's metrics as CSV
     driver.find_element(By.ID, "results-download").click()
     status = _wait(driver, lambda d: (lambda t: t if t not in ("", "downloading…") else None)(

@@ -330,8 +330,10 @@
       if (j.qerl.adapter_id) showAdapter(j.qerl.adapter_id, j.result_files || []);
     }
 
+    let samplesStep = null; // null: follow the newest step
     async function loadSamples() {
-      const page = await getJSON(`/v1/fine_tuning/jobs/${jobId}/samples`, { signal: abort.signal });
+      const q = samplesStep === null ? '' : `?step=${samplesStep}`;
+      const page = await getJSON(`/v1/fine_tuning/jobs/${jobId}/samples${q}`, { signal: abort.signal });
       const rows = page.data.map((x) => el('tr', { 'data-kind': x.kind },
         el('td', {}, x.step), el('td', {}, x.kind), el('td', {}, x.index), el('td', {}, fmt(x.reward)),
         el('td', { class: 'wrap sample', title: x.prompt }, x.completion)));
@@ -339,6 +341,11 @@
       document.getElementById('samples-empty').hidden = rows.length > 0;
       document.getElementById('samples-step').textContent = page.data.length ? `step ${page.data[0].step}` : '';
     }
+    document.getElementById('samples-pick').addEventListener('change', (e) => {
+      const v = e.target.value.trim();
+      samplesStep = v === '' ? null : Math.max(0, Math.floor(Number(v)));
+      loadSamples().catch(() => {});
+    });
 
     async function loadCheckpoints() {
       const page = await getJSON(`/v1/fine_tuning/jobs/${jobId}/checkpoints?limit=100`, { signal: abort.signal });
