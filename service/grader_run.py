@@ -31,19 +31,19 @@ ROOT = Path(__file__).resolve().parents[1]  # where ``service`` and ``engine`` i
 
 
 def budget_s(grader: Any) -> float:
-    """Wall seconds a run of ``grader`` may take: BASE_S plus, per python grader, its own limit."""
-    from engine.rewards.multi import MultiGrader
+    """Wall seconds a run of ``grader`` may take: BASE_S plus, per python grader, its own limit, and
+    per model grader one request's timeout."""
+    from engine.rewards.model_grader import Judge
+    from engine.rewards.multi import leaves
     from engine.rewards.python_grader import PythonGrader
 
-    def python_s(g: Any) -> float:
-        if isinstance(g, MultiGrader):
-            return sum(python_s(sub) for sub in g.graders.values())
+    def own_s(g: Any) -> float:
         if isinstance(g, PythonGrader):
             return g.limits.startup_s + g.limits.wall_s + 1.0
-        judge = getattr(g, "judge", None)  # a model grader: one request's time
-        return judge.timeout_s if judge is not None else 0.0
+        judge = getattr(g, "judge", None)
+        return judge.timeout_s if isinstance(judge, Judge) else 0.0
 
-    return BASE_S + python_s(grader)
+    return BASE_S + sum(own_s(g) for g in leaves(grader))
 
 
 def run(grader_cfg: dict[str, Any], grader: Any, sample: str, item: dict[str, Any], *, data_dir: Path,
@@ -115,18 +115,10 @@ def _children(pid: int) -> list[int]:
 
 
 # -- the child process -----------------------------------------------------------------------
-def _judge_models(grader: Any) -> list[str]:
-    """The judge models a grader asks (a model grader's, or those inside a multi grader), once each."""
-    subs = getattr(grader, "graders", None)
-    if isinstance(subs, dict):
-        return list(dict.fromkeys(m for g in subs.values() for m in _judge_models(g)))
-    return [grader.model] if getattr(grader, "judge", None) is not None else []
-
-
 def _grade(job: dict[str, Any]) -> dict[str, Any]:
     """Build the grader and call it once, as engine.evaluate.grade does; failures as data."""
     from engine.rewards import build_grader
-    from engine.rewards.model_grader import ModelGraderError, judge_tokens
+    from engine.rewards.model_grader import ModelGraderError, judge_models, judge_tokens
     from engine.rewards.multi import MultiGrader
     from engine.rewards.python_grader import GraderError
 
@@ -155,7 +147,7 @@ def _grade(job: dict[str, Any]) -> dict[str, Any]:
                     "message": f"the grader's output is not finite ({score}, parts {parts}); keep "
                                "calculate_output's constants small enough that it stays below 1e308"}
         subs = {k: parts[k] for k in grader.graders} if isinstance(grader, MultiGrader) else {}
-        judged = _judge_models(grader)
+        judged = judge_models(grader)
         return {"reward": score, "scores": parts, "sub_rewards": subs, "execution_time": elapsed,
                 "token_usage": judge_tokens(grader) if judged else None,
                 "sampled_model_name": ", ".join(judged) or None}

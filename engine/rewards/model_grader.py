@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
 
 from engine.rewards.base import Grader, check_fields, get_number, get_str, grader_name
+from engine.rewards.multi import leaves
 from engine.rewards.python_grader import GraderError
 from engine.rewards.templates import Template
 
@@ -100,13 +101,14 @@ class Judge:
         raise ModelGraderError("server", f"the judge at {self.url} (model {body['model']!r}) failed: {problem}")
 
 
-def judge_tokens(grader: Any) -> int:
-    """Tokens the judges of ``grader`` (a model grader, or one inside a multi grader) have used so far."""
-    subs = getattr(grader, "graders", None)
-    if isinstance(subs, dict):
-        return sum(judge_tokens(g) for g in subs.values())
-    judge = getattr(grader, "judge", None)
-    return judge.tokens if judge is not None else 0
+def judge_tokens(grader: Grader) -> int:
+    """Tokens the judges of ``grader`` (a model grader, or those inside a multi grader) have used so far."""
+    return sum(g.judge.tokens for g in leaves(grader) if isinstance(g, _ModelGrader))
+
+
+def judge_models(grader: Grader) -> list[str]:
+    """The judge models ``grader`` asks (a model grader's, or those inside a multi grader), once each."""
+    return list(dict.fromkeys(g.model for g in leaves(grader) if isinstance(g, _ModelGrader)))
 
 
 def _setting(name: str, default: float, kind: type, path: str) -> float:

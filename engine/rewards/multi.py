@@ -1,6 +1,7 @@
 """multi: named sub-graders combined by an arithmetic ``calculate_output`` expression."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, Mapping, Sequence
 
 from engine.rewards.base import Grader, check_fields, grader_name
@@ -50,3 +51,12 @@ class MultiGrader(Grader):
 
     def score(self, sample_text: str, item: Mapping[str, Any]) -> float:
         return self(sample_text, item)[0]
+
+
+def leaves(grader: Grader) -> Iterator[Grader]:
+    """The graders that score by themselves: ``grader``, or every one inside a multi grader (depth first)."""
+    if isinstance(grader, MultiGrader):
+        for sub in grader.graders.values():
+            yield from leaves(sub)
+    else:
+        yield grader
