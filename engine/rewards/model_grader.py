@@ -73,12 +73,6 @@ class Judge:
                 self._http = httpx.Client(headers=headers, timeout=self.timeout_s)
             return self._http
 
-    def _count(self, resp: Any) -> None:
-        usage = resp.json().get("usage") or {}
-        used = sum(v for v in (usage.get("prompt_tokens"), usage.get("completion_tokens")) if isinstance(v, int))
-        with self._lock:
-            self.tokens += used
-
     def ask(self, body: dict[str, Any]) -> dict[str, Any]:
         """The judge's reply message, retried on transient failures."""
         import httpx
@@ -90,8 +84,9 @@ class Judge:
                 problem = f"{type(exc).__name__}: {exc}"
             else:
                 if resp.status_code < 400:
-                    message = _message(resp)
-                    self._count(resp)
+                    message, used = _reply(resp)
+                    with self._lock:
+                        self.tokens += used
                     return message
                 problem = f"HTTP {resp.status_code}: {resp.text[:300]}"
                 if resp.status_code not in RETRY_STATUS:
@@ -123,14 +118,17 @@ def _setting(name: str, default: float, kind: type, path: str) -> float:
     return value
 
 
-def _message(resp: Any) -> dict[str, Any]:
+def _reply(resp: Any) -> tuple[dict[str, Any], int]:
+    """The chat completion's message, and the prompt + completion tokens its usage reports."""
     try:
-        message = resp.json()["choices"][0]["message"]
+        body = resp.json()
+        message = body["choices"][0]["message"]
     except (ValueError, KeyError, IndexError, TypeError):
         raise ModelGraderError("server", f"the judge's answer is not a chat completion: {resp.text[:300]}") from None
     if not isinstance(message, dict):
         raise ModelGraderError("server", f"the judge's answer is not a chat completion: {resp.text[:300]}")
-    return message
+    usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
+    return message, sum(v for v in (usage.get("prompt_tokens"), usage.get("completion_tokens")) if isinstance(v, int))
 
 
 class _ModelGrader(Grader):
