@@ -196,12 +196,19 @@ def events_since(session: Session, job_id: str, after: int, limit: int = 500) ->
     return list(session.scalars(_EVENTS_SINCE, {"job_id": job_id, "after": after, "n": limit}))
 
 
+def _latest_attempts(model: Any, job_id: str, *keys: str) -> Select[Any]:
+    """The job's rows of ``model`` (JobMetric, JobSample) from the latest attempt that wrote each
+    value of ``keys`` (a resumed job may re-run steps)."""
+    cols = [getattr(model, k) for k in keys]
+    best = (select(*cols, func.max(model.attempt).label("attempt")).where(model.job_id == job_id)
+            .group_by(*cols).subquery())
+    on = and_(*(col == best.c[k] for col, k in zip(cols, keys)), model.attempt == best.c.attempt)
+    return select(model).join(best, on).where(model.job_id == job_id)
+
+
 def _latest_metrics(job_id: str) -> Select[tuple[JobMetric]]:
-    """One row per step: the one from the latest attempt (a resumed job may re-run steps)."""
-    best = (select(JobMetric.step, func.max(JobMetric.attempt).label("attempt"))
-            .where(JobMetric.job_id == job_id).group_by(JobMetric.step).subquery())
-    return (select(JobMetric).join(best, and_(JobMetric.step == best.c.step, JobMetric.attempt == best.c.attempt))
-            .where(JobMetric.job_id == job_id))
+    """One row per step: the one from the latest attempt."""
+    return _latest_attempts(JobMetric, job_id, "step")
 
 
 def latest_metrics(session: Session, job_id: str, *, after_step: int | None, limit: int) -> tuple[list[JobMetric], bool]:
@@ -220,9 +227,6 @@ def job_samples(session: Session, job_id: str, *, step: int | None, kind: str | 
                 limit: int, newest_first: bool) -> tuple[list[JobSample], bool]:
     """Every reported sample of up to ``limit`` steps (the latest attempt's set for each step and
     kind), in step order (``newest_first``: descending), steps past ``after_step`` in that order."""
-    best = (select(JobSample.step, JobSample.kind, func.max(JobSample.attempt).label("attempt"))
-            .where(JobSample.job_id == job_id).group_by(JobSample.step, JobSample.kind).subquery())
-    latest = and_(JobSample.step == best.c.step, JobSample.kind == best.c.kind, JobSample.attempt == best.c.attempt)
     where = [JobSample.job_id == job_id]
     if step is not None:
         where.append(JobSample.step == step)
@@ -233,7 +237,7 @@ def job_samples(session: Session, job_id: str, *, step: int | None, kind: str | 
     order = JobSample.step.desc() if newest_first else JobSample.step.asc()
     steps = list(session.scalars(select(JobSample.step).where(*where).distinct().order_by(order).limit(limit + 1)))
     more, steps = len(steps) > limit, steps[:limit]
-    rows = session.scalars(select(JobSample).join(best, latest).where(*where, JobSample.step.in_(steps))
+    rows = session.scalars(_latest_attempts(JobSample, job_id, "step", "kind").where(*where, JobSample.step.in_(steps))
                            .order_by(order, JobSample.kind.desc(), JobSample.index.asc()))
     return list(rows), more
 
