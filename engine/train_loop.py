@@ -528,19 +528,19 @@ class _Run:
         result = self.last_eval if self.last_eval_step == self.step else self._evaluate()
         if result is None:
             return self._stop(self._boundary())
-        adapter = self._write_adapter(stopped=False)
-        final = self._final_metrics()
         if self.spec.final_adapter == "best_eval":
-            final = self._take_best(adapter, final)
+            adapter, final = self._take_best()
+        else:
+            adapter, final = self._write_adapter(stopped=False), self._final_metrics()
         self.reporter.event("info", f"Training finished: {self.step} steps in {self._elapsed():.0f} s; "
                                     f"eval accuracy {self.initial_eval.get('eval/accuracy', float('nan')):.3f} -> "
                                     f"{final.get('eval/accuracy', float('nan')):.3f}",
                             {"steps": self.step, "adapter_dir": str(adapter), **final})
         return TrainResult(adapter_dir=adapter, steps=self.step, metrics=final, stopped=False)
 
-    def _take_best(self, adapter: Path, final: dict[str, float]) -> dict[str, float]:
-        """final_adapter=best_eval: the best evaluated step's LoRA becomes the job's adapter
-        (``adapter``, replaced whole); the final metrics are that step's."""
+    def _take_best(self) -> tuple[Path, dict[str, float]]:
+        """final_adapter=best_eval: the job's adapter (``<workdir>/adapter``, replaced whole) is the
+        best evaluated step's LoRA, the final metrics that step's; the last step's when it is the best."""
         import json
         import shutil
 
@@ -552,11 +552,14 @@ class _Run:
             self.reporter.event("warn", f"The LoRA of step {step}, the best evaluated, is gone; the job's adapter "
                                         f"is the last step's", {"step": step})
             step = self.step
-        if step != self.step:
+        if step == self.step:
+            adapter, final = self._write_adapter(stopped=False), self._final_metrics()
+        else:
+            adapter = self.workdir / "adapter"
             tmp = adapter.parent / f".tmp-{adapter.name}"
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.copytree(best, tmp)
-            shutil.rmtree(adapter)
+            shutil.rmtree(adapter, ignore_errors=True)
             tmp.rename(adapter)
             final = dict(json.loads((adapter / MANIFEST).read_text())["metrics"])
         shutil.rmtree(self.workdir / "best-adapters", ignore_errors=True)
@@ -565,7 +568,7 @@ class _Run:
         self.reporter.event("info", f"The job's adapter is the LoRA of step {step}: the best held-out reward, "
                                     f"{score:.3f}; the last step's was {last:.3f}",
                             {"final_adapter_step": step, "eval/reward_mean": score})
-        return final
+        return adapter, final
 
     def _write_adapter(self, out_dir: Path | None = None, *, stopped: bool) -> Path:
         """The PEFT adapter of the LoRA as it is now (the job's result, or a checkpoint's copy)."""
