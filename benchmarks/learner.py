@@ -25,6 +25,7 @@ import torch
 
 from engine.lora import adapter_params, apply_lora, held_pieces
 from engine.model.shapes import build_random_model, shape_config
+from engine.quant.nf4 import bitsandbytes_missing
 from engine.rl.loss import loss_denominator, policy_loss
 from engine.spec import LoraSpec, RLSpec
 
@@ -149,6 +150,10 @@ def main() -> None:
     rows = []
     for size in args.sizes.split(","):
         for method in args.methods.split(","):
+            missing = bitsandbytes_missing("cuda") if method == "nf4" else None
+            if missing:  # the torch fallback is no QLoRA baseline
+                print(f"skipped {size} nf4: {missing}", flush=True)
+                continue
             row = one(size, method, args)
             rows.append(row)
             brief = {k: v for k, v in row.items() if k != "profile"}

@@ -22,6 +22,7 @@ import torch
 from engine.lora import adapter_params, apply_lora, held_pieces
 from engine.model.shapes import NumberTokenizer, build_random_model, shape_config
 from engine.optim import build_optimizer, uses_eight_bit
+from engine.quant.nf4 import bitsandbytes_missing
 from engine.rl.advantages import group_advantages
 from engine.rl.loss import loss_denominator, policy_loss
 from engine.rollout import SamplingParams
@@ -113,6 +114,11 @@ def main() -> None:
         for method in args.methods.split(","):
             if args.deadline and time.perf_counter() - start > args.deadline:
                 skipped.append(f"{size} {method}: out of time")
+                continue
+            missing = bitsandbytes_missing("cuda") if method == "nf4" else None
+            if missing:  # the torch fallback is no QLoRA baseline
+                skipped.append(f"{size} nf4: {missing}")
+                print("skipped", skipped[-1], flush=True)
                 continue
             try:
                 row = one_step(size, method, args)

@@ -34,6 +34,7 @@ import torch
 
 from engine.lora import LoRALinear, adapter_params, apply_lora
 from engine.model.shapes import NumberTokenizer, build_random_model, shape_config
+from engine.quant.nf4 import bitsandbytes_missing
 from engine.rollout import SamplingParams, cuda_graph
 from engine.rollout.cuda_graph import GraphRollout
 from engine.spec import LoraSpec
@@ -428,6 +429,11 @@ def main() -> None:
                         print("FAILED", results["skipped"][-1], flush=True)
                     gc.collect()
                     torch.cuda.empty_cache()
+                continue
+            missing = bitsandbytes_missing(args.device) if method == "nf4" and cuda else None
+            if missing:  # the torch fallback is no QLoRA baseline: say so rather than time it
+                results["skipped"].append(f"{size} nf4: {missing}")
+                print("skipped", results["skipped"][-1], flush=True)
                 continue
             t0 = time.perf_counter()
             over = {"num_layers": args.layers} if args.layers else {}

@@ -1,6 +1,8 @@
 """NF4 (bitsandbytes format) against an independent float64 re-implementation."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -117,3 +119,14 @@ def test_chunked_quantization_equals_one_pass(monkeypatch):
     monkeypatch.setattr(nf4, "CHUNK_BLOCKS", 3)  # 15 blocks: 5 chunks, the last block partial
     chunked = quantize_nf4(w)
     assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
+
+
+def test_bitsandbytes_missing_says_why(monkeypatch):
+    # the benchmarks skip the QLoRA baseline with this reason rather than time the torch path
+    monkeypatch.setattr(nf4, "use_bitsandbytes", False)
+    assert "switched off" in nf4.bitsandbytes_missing("cpu")
+    monkeypatch.setattr(nf4, "use_bitsandbytes", True)
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # an import that fails
+    monkeypatch.setitem(sys.modules, "bitsandbytes.functional", None)
+    why = nf4.bitsandbytes_missing("cpu")
+    assert why.startswith("bitsandbytes cannot run NF4 on cpu: ") and "Error" in why

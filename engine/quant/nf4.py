@@ -61,6 +61,21 @@ def _quantize_bnb(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | N
     return packed.view(torch.uint8).reshape(-1), state.absmax.to(torch.float32)
 
 
+def bitsandbytes_missing(device: torch.device | str) -> str | None:
+    """Why bitsandbytes' NF4 kernels (QLoRA's) cannot run on ``device``, or None when they can.
+    Without them NF4 layers run the torch path: right, but no QLoRA baseline to time."""
+    if not use_bitsandbytes:
+        return "bitsandbytes is switched off (engine.quant.nf4.use_bitsandbytes = False)"
+    try:
+        import bitsandbytes.functional as F  # noqa: N812, PLC0415 - optional dependency
+
+        w = torch.zeros(64, 64, dtype=torch.bfloat16, device=device)
+        F.quantize_4bit(w, blocksize=BLOCKSIZE, compress_statistics=False, quant_type="nf4")
+    except Exception as exc:  # not installed, or no native library for this device
+        return f"bitsandbytes cannot run NF4 on {device}: {type(exc).__name__}: {exc}"[:300]
+    return None
+
+
 def _quantize_torch(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """flat [n] (any float dtype) -> (packed uint8 [ceil(n/2)], absmax fp32 [ceil(n/64)]).
     Works in fp32 one chunk of blocks at a time."""
