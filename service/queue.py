@@ -15,6 +15,7 @@ Torch-free, and Celery is imported only when a Celery sender is configured.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
@@ -132,16 +133,32 @@ def _wake_quietly(session: Session, job_id: str, **kw: Any) -> bool:
 # -- claiming and the lease -------------------------------------------------------------------
 def claim(session: Session, job_id: str, worker_id: str, *, lease_seconds: float = 60) -> Job | None:
     """queued -> running for this worker, or None (already claimed, cancelled, finished: a
-    duplicate or late message is harmless)."""
+    duplicate or late message is harmless). Workers take jobs by claim_next(); this claims one
+    job by its id (tools, tests)."""
     locked = session.execute(select(Job.id).where(Job.id == job_id, Job.status == "queued")
                              .with_for_update(skip_locked=True)).scalar()  # SQLite: no-op clause
     return _claim_locked(session, locked, worker_id, lease_seconds)
 
 
+def fair_order() -> Any:
+    """The queued jobs in the order workers take them: first the projects with the fewest jobs
+    running, then the project whose latest start is oldest (never started: first), then the oldest
+    job. With one project this is first come, first served; with several, a project that queued
+    many jobs takes turns with the others instead of holding every GPU until its jobs are done."""
+    running = (select(Job.project, func.count().label("n")).where(Job.status.in_(ACTIVE))
+               .group_by(Job.project).subquery())
+    started = (select(Job.project, func.max(Job.started_at).label("at")).where(Job.started_at.is_not(None))
+               .group_by(Job.project).subquery())
+    return (select(Job.id).where(Job.status == "queued")
+            .outerjoin(running, running.c.project == Job.project)
+            .outerjoin(started, started.c.project == Job.project)
+            .order_by(func.coalesce(running.c.n, 0), started.c.at.asc().nulls_first(), Job.created_at, Job.id))
+
+
 def claim_next(session: Session, worker_id: str, *, lease_seconds: float = 60) -> Job | None:
-    """Claim the oldest queued job, skipping rows other workers are claiming right now."""
-    locked = session.execute(select(Job.id).where(Job.status == "queued").order_by(Job.created_at).limit(1)
-                             .with_for_update(skip_locked=True)).scalar()
+    """Claim the queued job that comes first in fair_order(), skipping rows other workers are
+    claiming right now."""
+    locked = session.execute(fair_order().limit(1).with_for_update(skip_locked=True, of=Job)).scalar()
     return _claim_locked(session, locked, worker_id, lease_seconds)
 
 
@@ -374,25 +391,41 @@ SIGKILL_HINT = ("the kernel's out-of-memory killer sends SIGKILL when the host r
                 "rollout.num_generations, use a smaller model, or give the worker more memory")
 
 
-def worker_exited(session: Session, job_id: str, node: str, how: str) -> bool:
-    """A worker's main process saw its pool process die while running ``job_id`` (``how``: e.g.
-    "signal 9 (SIGKILL)"). End that attempt's lease now, so the next reaper pass recovers the
-    job instead of waiting out the lease, and record why. Only the attempt a process of ``node``
-    holds (lease owner ``node:pid``) is touched; False if there is none (already reaped, or the
-    process finished the job before it died)."""
-    row = session.execute(select(Job.attempt, Job.lease_owner).where(Job.id == job_id, Job.status.in_(ACTIVE))
-                          .with_for_update()).first()
-    if row is None or not row.lease_owner or row.lease_owner.rsplit(":", 1)[0] != node:
-        session.rollback()
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this host has this pid (a reaped child no longer has)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
         return False
-    attempt, owner = row
-    session.execute(update(Job).where(_owned(job_id, attempt), Job.lease_owner == owner)
-                    .values(lease_expires_at=utcnow()))
-    hint = f"; {SIGKILL_HINT}" if "SIGKILL" in how else ""
-    add_event(session, job_id, attempt, f"The worker process running attempt {attempt} ({owner}) died: {how}{hint}",
-              level="error", data={"worker_exit": how})
-    session.commit()
+    except PermissionError:  # someone else's process
+        return True
     return True
+
+
+def worker_exited(session: Session, node: str, how: str, *, alive: Callable[[int], bool] = pid_alive) -> list[str]:
+    """A worker's main process saw one of its pool processes die while running a job (``how``:
+    e.g. "signal 9 (SIGKILL)"). End the lease of every attempt that a process of ``node`` (lease
+    owner ``node:pid``, on this host) holds and that is gone, so the next reaper pass recovers the
+    job instead of waiting out the lease, and record why, once. Returns the jobs touched (none:
+    already reaped or reported, or the process finished its job before it died)."""
+    rows = session.execute(select(Job.id, Job.attempt, Job.lease_owner)
+                           .where(Job.status.in_(ACTIVE), Job.lease_owner.like(f"{node}:%"),
+                                  Job.lease_expires_at > utcnow())  # not already ended
+                           .with_for_update()).all()
+    hint = f"; {SIGKILL_HINT}" if "SIGKILL" in how else ""
+    touched = []
+    for job_id, attempt, owner in rows:
+        head, _, pid = owner.rpartition(":")
+        if head != node or not pid.isdigit() or alive(int(pid)):
+            continue
+        session.execute(update(Job).where(_owned(job_id, attempt), Job.lease_owner == owner)
+                        .values(lease_expires_at=utcnow()))
+        add_event(session, job_id, attempt,
+                  f"The worker process running attempt {attempt} ({owner}) died: {how}{hint}",
+                  level="error", data={"worker_exit": how})
+        touched.append(job_id)
+    session.commit()
+    return touched
 
 
 def _exit_cause(session: Session, job_id: str, attempt: int) -> str:

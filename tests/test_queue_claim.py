@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import uuid
 from collections import Counter
 from datetime import timedelta
 
@@ -266,3 +267,56 @@ def _aware(dt):
 
     return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)  # SQLite reads back naive UTC
 
+
+
+def _projects(n: int) -> list[str]:
+    run = uuid.uuid4().hex[:8]  # projects no earlier test started a job in
+    return [f"fair-{run}-{i}" for i in range(n)]
+
+
+def test_claim_next_lets_projects_take_turns(sessions):
+    """One worker, finishing each job before the next claim: a project that queued three jobs
+    first does not hold the worker until all three are done; the projects take turns."""
+    a, b, c = _projects(3)
+    with sessions() as s:
+        names = {make_job(s, SPEC, project=p).id: f"{p[-1]}{i}" for p, n in ((a, 3), (b, 2), (c, 1)) for i in range(n)}
+    order = []
+    for _ in range(6):
+        with sessions() as s:
+            job = queue.claim_next(s, "w1", lease_seconds=30)
+            order.append(names[job.id])
+            queue.finish(s, job.id, job.attempt, "failed", error_code="test", error_message="ended")
+    with sessions() as s:
+        assert queue.claim_next(s, "w1") is None
+    # never started first (oldest job first among them), then the project whose latest start is oldest
+    assert order == ["00", "10", "20", "01", "11", "02"]
+
+
+def test_claim_next_prefers_projects_with_fewer_running_jobs(sessions):
+    """Three workers at once, no job finishing: each takes a job of a project that has none
+    running; the fourth claim goes to the project whose latest start is oldest."""
+    a, b, c = _projects(3)
+    with sessions() as s:
+        a_jobs = [make_job(s, SPEC, project=a).id for _ in range(3)]
+        b_job = make_job(s, SPEC, project=b).id
+        c_job = make_job(s, SPEC, project=c).id
+    got = []
+    for i in range(5):
+        with sessions() as s:
+            got.append(queue.claim_next(s, f"w{i}", lease_seconds=30).id)
+    assert got == [a_jobs[0], b_job, c_job, a_jobs[1], a_jobs[2]]
+
+
+def test_a_single_project_is_first_come_first_served(sessions):
+    [p] = _projects(1)
+    with sessions() as s:
+        ids = [make_job(s, SPEC, project=p).id for _ in range(4)]
+        # a requeued job (a lost worker's) keeps its place: before the jobs created after it
+        queue.claim(s, ids[1], "w0", lease_seconds=30)
+        s.execute(update(Job).where(Job.id == ids[1]).values(status="queued", lease_owner=None))
+        s.commit()
+    got = []
+    for i in range(4):
+        with sessions() as s:
+            got.append(queue.claim_next(s, f"w{i}", lease_seconds=30).id)
+    assert got == ids

@@ -1,6 +1,7 @@
 """Reaper, sweeper, wake-ups and graceful requeue against the real databases (Postgres and SQLite)."""
 from __future__ import annotations
 
+import os
 import threading
 from datetime import timedelta
 
@@ -252,3 +253,33 @@ def test_workdirs_of_finished_jobs_are_removed_after_the_retention(sessions, tmp
         assert remove_finished_workdirs(s, tmp_path, retention_s=0) == [jobs["succeeded_new"]]
         assert (job_workdir(tmp_path, jobs["paused"]) / "checkpoints" / "step-000002").is_dir()
     assert remove_finished_workdirs(None, tmp_path / "elsewhere", retention_s=0) == []  # no jobs/ yet
+
+
+def test_worker_exited_ends_only_the_leases_of_that_nodes_dead_processes(sessions):
+    """The Celery worker's main process reports a dead pool process; the job it ran is found by
+    its lease owner (``node:pid``), whichever job the task's message named."""
+    with sessions() as s:
+        dead, alive, other = (make_job(s, SPEC).id for _ in range(3))
+        for jid, owner in ((dead, "n1@h:101"), (alive, "n1@h:102"), (other, "n1@h2:101")):
+            queue.claim(s, jid, owner, lease_seconds=300)
+        touched = queue.worker_exited(s, "n1@h", "signal 9 (SIGKILL)", alive=lambda pid: pid == 102)
+        assert touched == [dead]
+        now = utcnow()
+        leases = {j: s.get(Job, j, populate_existing=True).lease_expires_at for j in (dead, alive, other)}
+        assert leases[dead].replace(tzinfo=None) <= now.replace(tzinfo=None)
+        assert all(leases[j].replace(tzinfo=None) > now.replace(tzinfo=None) + timedelta(seconds=200)
+                   for j in (alive, other))
+        [note] = [e for e in events(s, dead) if e.level == "error"]
+        assert note.message.startswith("The worker process running attempt 1 (n1@h:101) died: signal 9 (SIGKILL); ")
+        assert "out-of-memory killer" in note.message and note.data == {"worker_exit": "signal 9 (SIGKILL)"}
+        assert not [e for e in events(s, alive) + events(s, other) if e.level == "error"]
+        assert queue.worker_exited(s, "n1@h", "signal 9 (SIGKILL)", alive=lambda pid: pid == 102) == []  # once
+
+
+def test_pid_alive_tells_a_reaped_child_from_a_live_process():
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert queue.pid_alive(os.getpid()) and not queue.pid_alive(child.pid)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import time
+import uuid
 
 import pytest
 from sqlalchemy import select
@@ -86,6 +87,23 @@ def test_each_job_runs_exactly_once_on_four_workers(start_workers, pg_sessions, 
                   if e.data and "worker" in e.data}
     assert len(ran_on) >= 2, ran_on  # the work was spread
     print(f"40 jobs on 4 workers: {elapsed:.0f} s")
+
+
+def test_one_worker_serves_two_projects_in_turn(start_workers, pg_sessions):
+    """Project A queues three jobs, then project B one: the only worker runs A, B, A, A (the
+    wake-ups arrive in the jobs' order; each claims the job whose turn it is)."""
+    run = uuid.uuid4().hex[:8]
+    with pg_sessions() as s:
+        jobs = [make_job(s, tiny_spec("tiny", steps=1), project=f"turns-{run}-{p}").id for p in "aaab"]
+    start_workers(1, **CALM)
+    _wake(pg_sessions, *jobs)
+    for jid in jobs:
+        wait_for_status(pg_sessions, jid, ("succeeded", "failed", "cancelled"), timeout=300)
+    with pg_sessions() as s:
+        done = [s.get(Job, jid) for jid in jobs]
+        assert {(j.status, j.attempt) for j in done} == {("succeeded", 1)}, [j.error_message for j in done]
+        by_start = [jobs.index(j.id) for j in sorted(done, key=lambda j: j.started_at)]
+    assert by_start == [0, 3, 1, 2]
 
 
 def test_sigkill_mid_job_resumes_from_the_checkpoint_on_another_worker(start_workers, pg_sessions):

@@ -65,11 +65,13 @@ def _session_factory() -> Any:
 
 @app.task(name="qerl.run_job", acks_late=False, ignore_result=True)
 def run_job(job_id: str) -> str:
-    """Look at job ``job_id``: claim and run it, or return if someone else has it."""
+    """A wake-up sent for job ``job_id``: claim the queued job that comes first in the fair order
+    (service.queue.fair_order: ``job_id`` itself unless another project's turn has come) and run
+    it, or return if nothing is queued. Each queued job has its own wake-up, so a message that ran
+    another job leaves ``job_id``'s turn to the message of the job it ran."""
     from billiard.process import current_process
 
-    from worker.runner import WorkerContext
-    from worker.runner import run_job as run
+    from worker.runner import WorkerContext, run_next
 
     in_child = current_process().name != "MainProcess"
     if in_child:
@@ -77,7 +79,10 @@ def run_job(job_id: str) -> str:
     ctx = WorkerContext(settings=settings, sessions=_session_factory(), shutdown=_shutdown,
                         worker_id=f"{run_job.request.hostname or socket.gethostname()}:{os.getpid()}",
                         parent_pid=os.getppid() if in_child else None)
-    return run(ctx, job_id)
+    outcome = run_next(ctx)
+    if outcome is None:
+        log.info("wake-up for job %s: no job is queued (taken, cancelled or finished); nothing to do", job_id)
+    return outcome or "skipped"
 
 
 # -- process life cycle -----------------------------------------------------------------------
@@ -131,16 +136,16 @@ def _on_worker_lost(sender: Any = None, exception: BaseException | None = None, 
     requeues it (or fails it ``worker_lost`` after max_attempts) at its next pass."""
     from billiard.exceptions import WorkerLostError
 
-    if not isinstance(exception, WorkerLostError) or getattr(sender, "name", None) != "qerl.run_job" or not args:
+    if not isinstance(exception, WorkerLostError) or getattr(sender, "name", None) != "qerl.run_job":
         return
     from service import queue
 
     how = str(exception).removeprefix("Worker exited prematurely: ").split(" Job:")[0].rstrip(".") or "exited"
-    try:
+    try:  # the task may have run another job than its message named: the dead process's lease tells which
         with _session_factory()() as s:
-            queue.worker_exited(s, str(args[0]), sender.request.hostname, how)
+            queue.worker_exited(s, sender.request.hostname, how)
     except Exception as exc:  # the database is down: the reaper recovers the job once the lease runs out
-        log.warning("could not record the loss of job %s's worker process: %s: %s", args[0], type(exc).__name__,
+        log.warning("could not record the loss of a job's worker process: %s: %s", type(exc).__name__,
                     str(exc).splitlines()[0][:300] if str(exc) else "")
 
 
