@@ -89,8 +89,10 @@ STATUS_STYLE = {"succeeded": "green", "failed": "red", "cancelled": "yellow", "c
                 "paused": "magenta"}
 
 
-def _status(s: str) -> str:
-    return f"[{STATUS_STYLE.get(s, 'white')}]{s}[/]"
+def _status(s: str, job: dict[str, Any] | None = None) -> str:
+    """A job's state, coloured; a queued job's with its place in the queue (#1: next)."""
+    place = ((job or {}).get("qerl") or {}).get("queue_position") if s == "queued" else None
+    return f"[{STATUS_STYLE.get(s, 'white')}]{s}[/]" + (f" #{place}" if place else "")
 
 
 def _report_outcome(job: dict[str, Any]) -> None:
@@ -227,7 +229,7 @@ def jobs_create(
         if as_json:
             _print_json(job)
         else:
-            out.print(f"[bold]{job['id']}[/] {_status(job['status'])}  {escape(job['model'])}  "
+            out.print(f"[bold]{job['id']}[/] {_status(job['status'], job)}  {escape(job['model'])}  "
                       f"{job['qerl']['progress'].get('total_steps', '?')} steps")
         if watch:
             _report_outcome(watch_job(client, job["id"], out))
@@ -255,7 +257,7 @@ def jobs_list(status: Annotated[Optional[str], typer.Option(help="only jobs in t
     table = Table("id", "status", "model", "progress", "created", "fine-tuned model")
     for j in page["data"]:
         p = j["qerl"]["progress"]
-        table.add_row(j["id"], _status(j["status"]), escape(j["model"]), f"{p['step']}/{p['total_steps']}",
+        table.add_row(j["id"], _status(j["status"], j), escape(j["model"]), f"{p['step']}/{p['total_steps']}",
                       _when(j["created_at"]), escape(j.get("fine_tuned_model") or ""))
     out.print(table)
     if page.get("has_more"):
@@ -343,6 +345,8 @@ def jobs_get(job_id: str, base_url: BaseUrl = None, api_key: ApiKey = None, as_j
             ("started", _when(q.get("started_at"))), ("finished", _when(job.get("finished_at"))),
             ("fine-tuned model", escape(job.get("fine_tuned_model") or "-")), ("adapter", q.get("adapter_id") or "-"),
             ("results file", ", ".join(job.get("result_files") or []) or "-")]
+    if q.get("queue_position"):
+        rows.insert(2, ("queue position", f"{q['queue_position']} (1: the next job a free worker takes)"))
     if job.get("error"):
         rows.append(("error", f"[red]{escape(job['error']['code'])}: {escape(job['error']['message'])}[/]"))
     for k, v in rows:

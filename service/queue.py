@@ -140,19 +140,77 @@ def claim(session: Session, job_id: str, worker_id: str, *, lease_seconds: float
     return _claim_locked(session, locked, worker_id, lease_seconds)
 
 
-def fair_order() -> Any:
-    """The queued jobs in the order workers take them: first the projects with the fewest jobs
-    running, then the project whose latest start is oldest (never started: first), then the oldest
-    job. With one project this is first come, first served; with several, a project that queued
-    many jobs takes turns with the others instead of holding every GPU until its jobs are done."""
+def _queued_turns() -> tuple[Any, Any, Any]:
+    """A select of the queued jobs joined to what their turn depends on, with those two columns:
+    the number of their project's jobs running and the project's latest start (None: never)."""
     running = (select(Job.project, func.count().label("n")).where(Job.status.in_(ACTIVE))
                .group_by(Job.project).subquery())
     started = (select(Job.project, func.max(Job.started_at).label("at")).where(Job.started_at.is_not(None))
                .group_by(Job.project).subquery())
-    return (select(Job.id).where(Job.status == "queued")
+    stmt = (select(Job.id).where(Job.status == "queued")
             .outerjoin(running, running.c.project == Job.project)
-            .outerjoin(started, started.c.project == Job.project)
-            .order_by(func.coalesce(running.c.n, 0), started.c.at.asc().nulls_first(), Job.created_at, Job.id))
+            .outerjoin(started, started.c.project == Job.project))
+    return stmt, func.coalesce(running.c.n, 0), started.c.at
+
+
+def fair_order() -> Any:
+    """The queued jobs' ids in the order workers take them: first the projects with the fewest
+    jobs running, then the project whose latest start is oldest (never started: first), then the
+    oldest job. With one project this is first come, first served; with several, a project that
+    queued many jobs takes turns with the others instead of holding every GPU until its jobs are
+    done."""
+    stmt, running, started = _queued_turns()
+    return stmt.order_by(running, started.asc().nulls_first(), Job.created_at, Job.id)
+
+
+def queued_with_turns() -> Any:
+    """Every queued job with what its turn depends on: id, project, created_at, running, started."""
+    stmt, running, started = _queued_turns()
+    return stmt.add_columns(Job.project, Job.created_at, running.label("running"), started.label("started"))
+
+
+def rank(rows: Any) -> dict[str, int]:
+    """Queue positions (1 = next) from queued_with_turns()'s rows: the order in which workers would
+    take the queued jobs if each job, once taken, kept running and nothing else changed. Each take
+    is what claim_next() would take (fair_order()'s first), after which its project has one more
+    job running and the latest start. Jobs finishing, and new jobs, move the positions."""
+    import heapq
+
+    jobs: dict[str, list[Any]] = {}
+    running: dict[str, int] = {}
+    oldest = datetime.min
+    first_start: dict[str, tuple[int, Any]] = {}
+    for r in sorted(rows, key=lambda r: (_naive(r.created_at), r.id)):
+        jobs.setdefault(r.project, []).append(r)
+        running[r.project] = r.running or 0
+        first_start[r.project] = (0, _naive(r.started) if r.started is not None else oldest)
+
+    def turn(project: str, start: tuple[int, Any]) -> tuple[Any, ...]:
+        head = jobs[project][0]
+        return (running[project], start, _naive(head.created_at), head.id, project)
+
+    heap = [turn(p, first_start[p]) for p in jobs]
+    heapq.heapify(heap)
+    out: dict[str, int] = {}
+    while heap:
+        project = heapq.heappop(heap)[-1]
+        out[jobs[project].pop(0).id] = len(out) + 1
+        running[project] += 1
+        if jobs[project]:  # its latest start is now the newest of all
+            heapq.heappush(heap, turn(project, (1, len(out))))
+    return out
+
+
+def _naive(t: datetime) -> datetime:
+    return t.replace(tzinfo=None) if t.tzinfo else t
+
+
+def positions_of(session: Session, ids: Any) -> dict[str, int]:
+    """Queue positions (rank()) of those of ``ids`` that are queued."""
+    wanted = set(ids)
+    if not wanted:
+        return {}
+    return {jid: pos for jid, pos in rank(session.execute(queued_with_turns()).all()).items() if jid in wanted}
 
 
 def claim_next(session: Session, worker_id: str, *, lease_seconds: float = 60) -> Job | None:

@@ -1,5 +1,6 @@
-"""The reads clients poll, behind one async interface: a job, a page of its events, the events
-an SSE stream has not sent yet with the job's status, and an API key on a cache miss.
+"""The reads clients poll, behind one async interface: a job (and a queued job's place in the
+queue), a page of its events, the events an SSE stream has not sent yet with the job's status,
+and an API key on a cache miss.
 
 A status poll is the request a deployment serves most (the CLI polls every second, every open
 dashboard every few). Through the ORM in a worker thread it cost ~3.4 ms of CPU on two cores,
@@ -24,7 +25,7 @@ from sqlalchemy import select as sql_select
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Session
 
-from service import crud
+from service import crud, queue
 from service.db import input_pending
 from service.models import ApiKey, Job, JobEvent
 
@@ -50,6 +51,8 @@ _EVENTS_DESC_BEFORE = _sql(sql_select(*_columns(JobEvent))
 _EVENTS_SINCE = _sql(sql_select(*_columns(JobEvent))
                      .where(JobEvent.job_id == bindparam("job_id"), JobEvent.id > bindparam("after"))
                      .order_by(JobEvent.id.asc()).limit(bindparam("n")))
+_QUEUED = queue.queued_with_turns().compile(dialect=postgresql.psycopg.dialect(),
+                                            compile_kwargs={"render_postcompile": True})
 _KEY = _sql(sql_select(ApiKey.id, ApiKey.project, ApiKey.prefix, ApiKey.revoked_at)
             .where(ApiKey.key_hash == bindparam("digest")))
 
@@ -152,6 +155,9 @@ class PostgresReads:
         rows = await self._all(_JOB, {"job_id": job_id, "project": project})
         return rows[0] if rows else None
 
+    async def queue_position(self, job_id: str) -> int | None:
+        return queue.rank(await self._all(str(_QUEUED), dict(_QUEUED.params))).get(job_id)
+
     async def events_desc(self, job_id: str, *, before: int | None, limit: int) -> tuple[list[Any], bool]:
         params: dict[str, Any] = {"job_id": job_id, "n": limit + 1}  # one more: are there more?
         if before is not None:
@@ -196,6 +202,9 @@ class SessionReads:
 
     async def job(self, project: str, job_id: str) -> Any | None:
         return await self._run(crud.get_job, project, job_id)
+
+    async def queue_position(self, job_id: str) -> int | None:
+        return (await self._run(queue.positions_of, [job_id])).get(job_id)
 
     async def events_desc(self, job_id: str, *, before: int | None, limit: int) -> tuple[list[Any], bool]:
         return await self._run(crud.list_events_desc, job_id, before=before, limit=limit)

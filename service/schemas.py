@@ -160,6 +160,8 @@ class JobQerl(BaseModel):
     started_at: int | None
     dataset: dict[str, Any] | None
     spec: dict[str, Any]
+    queue_position: int | None = Field(None, description="while queued: 1 = the next job a free worker "
+                                       "takes (projects take turns: it can move back as other projects queue jobs)")
 
 
 class FineTuningJob(BaseModel):

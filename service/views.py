@@ -66,7 +66,7 @@ def _estimated_finish(j: m.Job) -> int | None:
     return int(start + (time.time() - start) * j.total_steps / j.step)
 
 
-def job_view(j: m.Job) -> s.FineTuningJob:
+def job_view(j: m.Job, queue_position: int | None = None) -> s.FineTuningJob:
     spec, request = j.spec or {}, j.request or {}
     hyper = _hyperparameters(spec, request)
     error = None
@@ -84,7 +84,8 @@ def job_view(j: m.Job) -> s.FineTuningJob:
         qerl=s.JobQerl(quantization=spec.get("quantization", ""), progress=s.JobProgress(
             step=j.step, total_steps=j.total_steps), attempt=j.attempt, max_attempts=j.max_attempts,
             cancel_requested=j.cancel_requested, adapter_id=j.adapter_id, started_at=unix(j.started_at),
-            dataset=spec.get("data", {}).get("dataset"), spec=spec),
+            dataset=spec.get("data", {}).get("dataset"), spec=spec,
+            queue_position=queue_position if j.status == "queued" else None),
     )
 
 

@@ -5,6 +5,7 @@ Idempotency-Key (sequential and 20 concurrent requests), metrics and checkpoints
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import secrets
 
 import httpx
@@ -190,6 +191,55 @@ def test_list_retrieve_cancel(client, key_a, file_id):
     assert "cancelled" in err["message"]
     assert_error(client.get("/v1/fine_tuning/jobs/ftjob-nope", headers=key_a.headers), 404)
     assert_error(client.post("/v1/fine_tuning/jobs/ftjob-nope/cancel", headers=key_a.headers), 404)
+
+
+def test_a_queued_job_shows_its_place_in_the_queue(client, key_a, key_b, db_sessions):
+    """Project A queues three jobs, then project B one: B's job comes right after A's first (the
+    projects take turns), and the place reads the same on the job, in the list, on create and on
+    resume; a job that is not queued has none."""
+    def create(key):
+        resp = client.post("/v1/fine_tuning/jobs", headers=key.headers,
+                           json={"model": MODEL, "qerl": {"dataset": RG, "steps": 3}})
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    made = [create(key_a) for _ in range(3)] + [create(key_b)]
+    a1, a2, a3, b1 = (j["id"] for j in made)
+    place = {j["id"]: client.get(f"/v1/fine_tuning/jobs/{j['id']}", headers=(key_b if j["id"] == b1 else key_a)
+                                 .headers).json()["qerl"]["queue_position"] for j in made}
+    assert place[b1] == place[a1] + 1 and place[a1] < place[b1] < place[a2] < place[a3], place
+    assert made[0]["qerl"]["queue_position"] >= 1  # on create, before later jobs came
+    listed = {j["id"]: j["qerl"]["queue_position"]
+              for j in client.get("/v1/fine_tuning/jobs", headers=key_a.headers).json()["data"]}
+    assert listed == {a1: place[a1], a2: place[a2], a3: place[a3]}
+    with db_sessions() as s:
+        assert queue.claim(s, a1, "test-worker", lease_seconds=60) is not None  # as a worker would
+    running = client.get(f"/v1/fine_tuning/jobs/{a1}", headers=key_a.headers).json()
+    assert running["status"] == "running" and running["qerl"]["queue_position"] is None
+    moved = client.get(f"/v1/fine_tuning/jobs/{b1}", headers=key_b.headers).json()["qerl"]["queue_position"]
+    assert moved == place[a1]  # one job ahead started: B's is where A's first was
+    paused = client.post(f"/v1/fine_tuning/jobs/{a3}/pause", headers=key_a.headers).json()
+    assert paused["status"] == "paused" and paused["qerl"]["queue_position"] is None
+    resumed = client.post(f"/v1/fine_tuning/jobs/{a3}/resume", headers=key_a.headers).json()
+    assert resumed["qerl"]["queue_position"] == client.get(
+        f"/v1/fine_tuning/jobs/{a3}", headers=key_a.headers).json()["qerl"]["queue_position"] > moved
+
+
+def test_the_cli_shows_a_queued_jobs_place(live_server, key_a):
+    from typer.testing import CliRunner
+
+    from qerl.cli import app
+
+    job = httpx.post(f"{live_server.url}/v1/fine_tuning/jobs", headers=key_a.headers,
+                     json={"model": MODEL, "qerl": {"dataset": RG, "steps": 3}}).json()
+    place = httpx.get(f"{live_server.url}/v1/fine_tuning/jobs/{job['id']}",
+                      headers=key_a.headers).json()["qerl"]["queue_position"]
+    conn = ["--base-url", live_server.url, "--api-key", key_a.secret]
+    got = CliRunner().invoke(app, ["jobs", "get", job["id"], *conn], env={"COLUMNS": "200"})
+    assert got.exit_code == 0, got.output
+    assert re.search(rf"queue position +{place} \(1: the next job a free worker takes\)", got.output), got.output
+    listed = CliRunner().invoke(app, ["jobs", "list", *conn], env={"COLUMNS": "200"})
+    assert f"queued #{place}" in listed.output, listed.output
 
 
 def test_cancel_of_a_running_job_asks_the_worker(client, key_a, file_id, db_sessions):

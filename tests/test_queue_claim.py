@@ -1,6 +1,7 @@
 """Claiming, leases, fencing, cancel and finish against the real databases (Postgres and SQLite)."""
 from __future__ import annotations
 
+import random
 import threading
 import uuid
 from collections import Counter
@@ -320,3 +321,27 @@ def test_a_single_project_is_first_come_first_served(sessions):
         with sessions() as s:
             got.append(queue.claim_next(s, f"w{i}", lease_seconds=30).id)
     assert got == ids
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_queue_positions_are_the_order_workers_take_the_jobs(sessions, seed):
+    """Fresh random queues over several projects, some with jobs running and some with earlier
+    starts: the positions computed up front are the order of the claims that follow (each taken
+    job keeps running)."""
+    rng = random.Random(seed)
+    projects = _projects(5)
+    with sessions() as s:
+        for p in projects:
+            for _ in range(rng.randint(0, 2)):  # earlier jobs: some still running, some ended
+                job = make_job(s, SPEC, project=p)
+                queue.claim(s, job.id, "w-old", lease_seconds=300)
+                if rng.random() < 0.5:
+                    queue.finish(s, job.id, 1, "failed", error_code="test", error_message="ended")
+        queued = [make_job(s, SPEC, project=rng.choice(projects)).id for _ in range(rng.randint(6, 14))]
+        positions = queue.positions_of(s, queued + ["ftjob-unknown"])
+    assert sorted(positions.values()) == list(range(1, len(queued) + 1)) and set(positions) == set(queued)
+    taken = []
+    for i in range(len(queued)):
+        with sessions() as s:
+            taken.append(queue.claim_next(s, f"w{i}", lease_seconds=300).id)
+    assert taken == sorted(queued, key=positions.get)

@@ -37,6 +37,13 @@ def _replay(job: Job, digest: str) -> FineTuningJob:
     return job_view(job)
 
 
+def _view(session: Session, job: Job) -> FineTuningJob:
+    """The job as the API shows it, with its place in the queue while it is queued."""
+    from service import queue
+
+    return job_view(job, queue.positions_of(session, [job.id]).get(job.id) if job.status == "queued" else None)
+
+
 def wake(session: Session, job_id: str) -> None:
     """Tell a worker; a failure is logged only (the job is committed and the sweeper re-sends)."""
     try:
@@ -69,7 +76,7 @@ def create_job(body: JobCreate, key: CurrentKey, session: SessionDep, settings: 
             raise APIError(409, "A concurrent request with this Idempotency-Key is in progress; retry.",
                            code="idempotency_conflict")
         return _replay(earlier, digest)
-    view = job_view(job)
+    view = _view(session, job)
     wake(session, job.id)
     return view
 
@@ -84,7 +91,10 @@ def list_jobs(request: Request, key: CurrentKey, session: ReadSessionDep, after:
                        code="invalid_value", param="status")
     rows, more = crud.list_jobs(session, key.project, after=after, limit=limit, status=status,
                                 metadata=_metadata_filter(request))
-    data = [job_view(j) for j in rows]
+    from service import queue
+
+    positions = queue.positions_of(session, [j.id for j in rows if j.status == "queued"])
+    data = [job_view(j, positions.get(j.id)) for j in rows]
     return ListPage.of(data, more)
 
 
@@ -114,11 +124,12 @@ def _metadata_filter(request: Request) -> dict[str, str] | None:
 
 @router.get("/{job_id}", response_model=FineTuningJob)
 async def get_job(job_id: str, key: CurrentKey, request: Request) -> Response:
-    """The request clients poll: one read on the event loop (service.reads)."""
+    """The request clients poll: one read on the event loop (service.reads); a queued job, two."""
     job = await request.app.state.reads.job(key.project, job_id)
     if job is None:
         raise not_found("fine-tuning job", job_id, "fine_tuning_job_id")
-    return json_response(job_view(job))
+    position = await request.app.state.reads.queue_position(job_id) if job.status == "queued" else None
+    return json_response(job_view(job, position))
 
 
 ACTIVE_LIMIT_RETRY_S = 30
@@ -183,7 +194,7 @@ def resume_job(job_id: str, key: CurrentKey, session: SessionDep, settings: Sett
         return queue.resume(s, job)
 
     job = _transition(session, key.project, job_id, resume, "job_not_resumable")
-    view = job_view(job)
+    view = _view(session, job)
     if job.status == "queued":  # a duplicate wake-up for a job that was already queued is harmless
         wake(session, job.id)
     return view

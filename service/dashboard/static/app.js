@@ -316,6 +316,7 @@
         ['Created', when(j.created_at)], ['Started', when(j.qerl.started_at)], ['Finished', when(j.finished_at)],
         ['Fine-tuned model', j.fine_tuned_model || '–'], ['Trained tokens', j.trained_tokens ?? '–'],
       ];
+      if (j.qerl.queue_position) facts.splice(2, 0, ['Queue position', `${j.qerl.queue_position} (1: next to start)`]);
       document.getElementById('job-facts').replaceChildren(...facts.map(([k, v]) =>
         el('div', {}, el('dt', {}, k), el('dd', { title: String(v) }, v))));
       const err = document.getElementById('job-error');
