@@ -14,8 +14,10 @@ Torch-free, and Celery is imported only when a Celery sender is configured.
 """
 from __future__ import annotations
 
+import heapq
 import logging
 import os
+from collections import deque
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
@@ -173,31 +175,29 @@ def rank(rows: Any) -> dict[str, int]:
     """Queue positions (1 = next) from queued_with_turns()'s rows: the order in which workers would
     take the queued jobs if each job, once taken, kept running and nothing else changed. Each take
     is what claim_next() would take (fair_order()'s first), after which its project has one more
-    job running and the latest start. Jobs finishing, and new jobs, move the positions."""
-    import heapq
-
-    jobs: dict[str, list[Any]] = {}
+    job running and the newest start. Jobs finishing, and new jobs, move the positions."""
+    waiting: dict[str, deque[Any]] = {}
     running: dict[str, int] = {}
-    oldest = datetime.min
-    first_start: dict[str, tuple[int, Any]] = {}
+    started: dict[str, tuple[int, Any]] = {}  # (0, latest start or never) before any take, (1, take) after
     for r in sorted(rows, key=lambda r: (_naive(r.created_at), r.id)):
-        jobs.setdefault(r.project, []).append(r)
+        waiting.setdefault(r.project, deque()).append(r)
         running[r.project] = r.running or 0
-        first_start[r.project] = (0, _naive(r.started) if r.started is not None else oldest)
+        started[r.project] = (0, _naive(r.started) if r.started is not None else datetime.min)
 
-    def turn(project: str, start: tuple[int, Any]) -> tuple[Any, ...]:
-        head = jobs[project][0]
-        return (running[project], start, _naive(head.created_at), head.id, project)
+    def turn(project: str) -> tuple[Any, ...]:  # fair_order()'s terms for the project's oldest job
+        head = waiting[project][0]
+        return (running[project], started[project], _naive(head.created_at), head.id, project)
 
-    heap = [turn(p, first_start[p]) for p in jobs]
+    heap = [turn(p) for p in waiting]
     heapq.heapify(heap)
     out: dict[str, int] = {}
     while heap:
         project = heapq.heappop(heap)[-1]
-        out[jobs[project].pop(0).id] = len(out) + 1
+        out[waiting[project].popleft().id] = len(out) + 1
         running[project] += 1
-        if jobs[project]:  # its latest start is now the newest of all
-            heapq.heappush(heap, turn(project, (1, len(out))))
+        started[project] = (1, len(out))
+        if waiting[project]:
+            heapq.heappush(heap, turn(project))
     return out
 
 
