@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Select, Text, and_, bindparam, cast, func, or_, select, text
@@ -181,6 +182,14 @@ def list_jobs(session: Session, project: str, *, after: str | None, limit: int, 
 
 def count_jobs_by_status(session: Session) -> dict[str, int]:
     return dict(session.execute(select(Job.status, func.count()).group_by(Job.status)).all())
+
+
+def queue_summary(session: Session) -> tuple[datetime | None, int]:
+    """The oldest queued job's creation time (None: nothing queued) and how many projects have
+    jobs queued."""
+    oldest, projects = session.execute(select(func.min(Job.created_at), func.count(Job.project.distinct()))
+                                       .where(Job.status == "queued")).one()
+    return oldest, projects
 
 
 # ---- events, metrics, checkpoints -----------------------------------------------------------

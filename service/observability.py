@@ -1,4 +1,5 @@
-"""Prometheus metrics: request counts and latency by route template, jobs by status.
+"""Prometheus metrics: request counts and latency by route template, jobs by status, the queue's
+oldest job and the projects waiting.
 
 Each app gets its own registry (several apps in one test process must not collide); job counts
 are read from the database at scrape time, so every API replica reports the same truth.
@@ -19,7 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import crud
-from service.views import ACTIVE, TERMINAL
+from service.views import ACTIVE, TERMINAL, unix
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +34,18 @@ class JobsCollector(Collector):
         try:
             with self.make_session() as session:
                 counts = crud.count_jobs_by_status(session)
+                oldest, projects = crud.queue_summary(session)
         except Exception:  # the scrape still reports request metrics when the database is down
             log.warning("could not count jobs for /metrics", exc_info=True)
             return
         for status in (*ACTIVE, *TERMINAL):
             family.add_metric([status], counts.get(status, 0))
         yield family
+        age = 0.0 if oldest is None else max(0.0, time.time() - (unix(oldest) or 0))
+        yield GaugeMetricFamily("qerl_queue_oldest_job_age_seconds", "Seconds since the oldest queued job was "
+                                "created (0: nothing queued); alert when workers fall behind", value=age)
+        yield GaugeMetricFamily("qerl_queue_projects", "Projects with jobs queued (they take turns for workers)",
+                                value=projects)
 
 
 class PoolStats(Collector):

@@ -6,13 +6,15 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from sqlalchemy import func, select, update
 
 from service.db import make_engine
-from service.models import Base
+from service.models import Base, Job, utcnow
 from tests.test_api_files import assert_error
 from tests.test_hostile_api import RG_JOB
 
@@ -42,6 +44,30 @@ def test_prometheus_metrics(client, key_a):
     assert 'qerl_http_requests_total{method="GET",route="/v1/fine_tuning/jobs",status="200"}' in text
     assert "qerl_http_request_duration_seconds_bucket" in text
     assert 'qerl_jobs{status="queued"}' in text
+
+
+def _gauge(text: str, name: str) -> float:
+    [line] = [x for x in text.splitlines() if x.startswith(name + " ")]
+    return float(line.split()[1])
+
+
+def test_prometheus_reports_the_queues_oldest_job_and_its_projects(client, key_a, key_b, db_sessions):
+    ids = [client.post("/v1/fine_tuning/jobs", headers=key.headers,
+                       json={"model": "smollm2-135m-instruct",
+                             "qerl": {"dataset": {"source": "reasoning_gym", "task": "products", "size": 40}}}).json()["id"]
+           for key in (key_a, key_a, key_b)]
+    before = client.get("/metrics").text
+    with db_sessions() as s:  # the first job has waited two hours
+        s.execute(update(Job).where(Job.id == ids[0]).values(created_at=utcnow() - timedelta(hours=2)))
+        s.commit()
+    after = client.get("/metrics").text
+    assert _gauge(after, "qerl_queue_oldest_job_age_seconds") >= 7200 > _gauge(before, "qerl_queue_oldest_job_age_seconds")
+    with db_sessions() as s:
+        projects = s.scalar(select(func.count(Job.project.distinct())).where(Job.status == "queued"))
+    assert _gauge(after, "qerl_queue_projects") == projects >= 2
+    for jid, key in zip(ids, (key_a, key_a, key_b)):
+        client.post(f"/v1/fine_tuning/jobs/{jid}/cancel", headers=key.headers)
+    assert _gauge(client.get("/metrics").text, "qerl_queue_oldest_job_age_seconds") < 7200
 
 
 def test_migration_matches_the_models(db_url):
