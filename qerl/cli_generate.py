@@ -1,0 +1,151 @@
+"""`qerl generate ADAPTER`: try a trained adapter on this machine, beside the base model without it.
+
+The adapter directory is what `qerl adapters download` extracts (or `qerl train` writes): PEFT's
+files and `qerl_manifest.json`, which names the base model and the format its weights were held in
+while the adapter trained (the same format is used here, so the answers are the trained policy's).
+The prompts are chat messages (the base's chat template applied, as in training); sampling is
+greedy unless a temperature is given.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+console = Console()
+
+
+def _adapter_facts(adapter: Path) -> tuple[str, str]:
+    """(base model, quantization) the adapter was trained on, from its manifest (or PEFT's config)."""
+    if not (adapter / "adapter_config.json").is_file():
+        raise typer.BadParameter(f"{adapter} is not a PEFT adapter directory (no adapter_config.json); "
+                                 "`qerl adapters download ID -o DIR` extracts one", param_hint="ADAPTER")
+    manifest_path = adapter / "qerl_manifest.json"
+    if manifest_path.is_file():
+        manifest = json.loads(manifest_path.read_text())
+        base = manifest.get("base_model") or {}
+        name = base.get("name") if isinstance(base, dict) else base
+        return str(name or ""), str(manifest.get("quantization") or "bf16")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    return str(config.get("base_model_name_or_path") or ""), "bf16"
+
+
+def _prompts(prompt: list[str], prompts_file: Path | None, system: str | None) -> list[list[dict[str, str]]]:
+    """Chat messages per prompt: each --prompt a user turn, each line of --prompts-file a JSON object
+    with ``messages`` (OpenAI's chat format) or ``prompt`` (a user turn)."""
+    head = [{"role": "system", "content": system}] if system else []
+    out = [[*head, {"role": "user", "content": p}] for p in prompt]
+    if prompts_file is not None:
+        for n, line in enumerate(prompts_file.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise typer.BadParameter(f"{prompts_file} line {n} is not JSON: {exc.msg}",
+                                         param_hint="--prompts-file") from None
+            if isinstance(row, dict) and isinstance(row.get("messages"), list):
+                out.append([*head, *row["messages"]] if head and row["messages"][0].get("role") != "system"
+                           else row["messages"])
+            elif isinstance(row, dict) and isinstance(row.get("prompt"), str):
+                out.append([*head, {"role": "user", "content": row["prompt"]}])
+            else:
+                raise typer.BadParameter(f"{prompts_file} line {n}: give {{\"messages\": [...]}} or "
+                                         "{\"prompt\": \"...\"}", param_hint="--prompts-file")
+    if not out:
+        raise typer.BadParameter("give at least one --prompt TEXT or a --prompts-file", param_hint="--prompt")
+    return out
+
+
+def generate_cmd(
+    adapter: Annotated[Path, typer.Argument(help="an adapter directory (qerl adapters download, qerl train)")],
+    prompt: Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="a user message (repeatable)")] = None,
+    prompts_file: Annotated[Optional[Path], typer.Option(
+        help="JSON lines: {\"messages\": [...]} or {\"prompt\": \"...\"}", exists=True, dir_okay=False)] = None,
+    system: Annotated[Optional[str], typer.Option(help="a system message before each prompt")] = None,
+    base: Annotated[Optional[str], typer.Option(help="the base model (default: the adapter's manifest)")] = None,
+    quantization: Annotated[Optional[str], typer.Option(
+        help="nvfp4 | nf4 | bf16 (default: what the adapter trained on)")] = None,
+    max_new_tokens: Annotated[int, typer.Option(min=1, max=32768)] = 256,
+    temperature: Annotated[float, typer.Option(min=0.0, max=100.0, help="0: greedy")] = 0.0,
+    top_p: Annotated[float, typer.Option(min=0.0, max=1.0)] = 1.0,
+    seed: Annotated[int, typer.Option(help="sampling seed (temperature > 0)")] = 0,
+    compare: Annotated[bool, typer.Option(help="also answer with the base model alone")] = True,
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = "auto",
+    as_json: Annotated[bool, typer.Option("--json", help="JSON lines, one per prompt")] = False,
+) -> None:
+    """Answer prompts with a fine-tuned adapter on its base model (and with the base alone)."""
+    import torch
+
+    from engine.lora import load_peft_adapter, lora_disabled, peft_lora_spec
+    from engine.model import load_model
+    from engine.model.load import compute_dtype
+    from engine.rollout.backend import native_generate
+    from engine.rollout.params import SamplingParams
+    from engine.spec import QUANTIZATIONS
+    from engine.train_batch import apply_chat_template
+    from engine.train_loop import pick_device
+    from engine.types import TrainError
+
+    chats = _prompts(prompt or [], prompts_file, system)
+    trained_base, trained_format = _adapter_facts(adapter)
+    base_model = base or trained_base
+    if not base_model:
+        raise typer.BadParameter(f"{adapter} does not name its base model; give --base", param_hint="--base")
+    fmt = quantization or trained_format
+    if fmt not in QUANTIZATIONS:
+        raise typer.BadParameter(f"choose one of {', '.join(QUANTIZATIONS)}; got {fmt!r}", param_hint="--quantization")
+    try:
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--top-p") from None
+    try:
+        dev = pick_device(device)
+    except (TrainError, RuntimeError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="--device") from None
+    try:
+        model, tokenizer = load_model(base_model, quantization=fmt, lora=peft_lora_spec(adapter), device=dev,
+                                      dtype=compute_dtype(dev), source_dtype=torch.bfloat16)
+        load_peft_adapter(model, adapter)
+    except (ValueError, FileNotFoundError, KeyError) as exc:
+        console.print(f"[red]cannot load {escape(base_model)} with the adapter in {adapter}: {escape(str(exc))}[/]")
+        raise typer.Exit(2) from None
+    ids = [apply_chat_template(tokenizer, chat) for chat in chats]
+
+    def answer() -> list[Any]:
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        return native_generate(model, tokenizer, ids, params, generator=gen)
+
+    tuned = answer()
+    alone = None
+    if compare:
+        with lora_disabled(model):
+            alone = answer()
+    for i, chat in enumerate(chats):
+        row: dict[str, Any] = {"model": base_model, "quantization": fmt, "messages": chat, "completion": tokenizer.decode(tuned[i].token_ids,
+                                                                                skip_special_tokens=True),
+                               "finish_reason": tuned[i].finish_reason, "tokens": len(tuned[i].token_ids),
+                               "token_ids": list(tuned[i].token_ids)}
+        if alone is not None:
+            row["base_completion"] = tokenizer.decode(alone[i].token_ids, skip_special_tokens=True)
+            row["base_token_ids"] = list(alone[i].token_ids)
+        if as_json:
+            print(json.dumps(row), flush=True)
+            continue
+        console.rule(f"prompt {i + 1}")
+        console.print(escape(chat[-1]["content"]))
+        console.print(f"[bold green]fine-tuned[/] ({row['tokens']} tokens, {row['finish_reason']}):")
+        console.print(escape(row["completion"]))
+        if alone is not None:
+            console.print(f"[bold]base alone[/] ({len(alone[i].token_ids)} tokens, {alone[i].finish_reason}):")
+            console.print(escape(row["base_completion"]))
+    if not as_json:
+        console.print(f"[dim]{escape(base_model)} ({fmt}) with the adapter in {adapter}, on {dev}[/]")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("generate")(generate_cmd)
