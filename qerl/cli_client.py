@@ -26,8 +26,8 @@ from qerl.client import Client, QerlError
 from qerl.jobbody import build_job_body, load_spec
 from qerl.watch import follow_events, watch_job
 
-out = Console()
-err = Console(stderr=True, soft_wrap=True)
+out = Console(emoji=False)  # names like ft:base:proj:fire:id hold emoji codes
+err = Console(stderr=True, soft_wrap=True, emoji=False)
 
 BaseUrl = Annotated[Optional[str], typer.Option("--base-url", envvar="QERL_BASE_URL", show_envvar=True,
                                                 help="server URL (default: the local config, else http://127.0.0.1:8000)")]

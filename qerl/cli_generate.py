@@ -1,7 +1,8 @@
 """`qerl generate ADAPTER`: try a trained adapter on this machine, beside the base model without it.
 
-The adapter directory is what `qerl adapters download` extracts (or `qerl train` writes): PEFT's
-files and `qerl_manifest.json`, which names the base model and the format its weights were held in
+The adapter directory is what `qerl adapters download` extracts (or `qerl train` writes; a job id,
+adapter id or ``ft:`` model name is downloaded from the server first): PEFT's files and
+`qerl_manifest.json`, which names the base model and the format its weights were held in
 while the adapter trained (the same format is used here, so the answers are the trained policy's).
 The prompts are chat messages (the base's chat template applied, as in training); sampling is
 greedy unless a temperature is given.
@@ -16,7 +17,50 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-console = Console()
+from qerl.cli_client import ApiKey, BaseUrl, _errors_as_messages
+
+console = Console(emoji=False)
+
+
+SERVER_REFS = ("ftjob-", "adapter-", "ft:")
+
+
+def _fetch(ref: str, base_url: str | None, api_key: str | None) -> Path:
+    """A succeeded job's adapter, an adapter id's or a fine-tuned model's, from the server, into
+    ``$QERL_CACHE_DIR/adapters/<adapter id>`` (sha256-checked, extracted beside it and renamed
+    into place; kept for the next time)."""
+    import os
+    import shutil
+
+    from engine.model.gguf import cache_root
+    from qerl.client import Client, QerlError
+
+    with Client(base_url=base_url, api_key=api_key) as client:
+        adapter_id = ref
+        if ref.startswith("ftjob-"):
+            job = client.job(ref)
+            adapter_id = job["qerl"].get("adapter_id") or ""
+            if not adapter_id:
+                raise QerlError(409, f"job {ref} is {job['status']} and has no adapter yet; wait for it to succeed "
+                                     f"(qerl jobs watch {ref})")
+        elif ref.startswith("ft:"):
+            named = [a["id"] for a in client.adapters() if a["name"] == ref]
+            if not named:
+                raise QerlError(404, f"no fine-tuned model {ref} in this project (qerl adapters list); for a kept "
+                                     "checkpoint's LoRA: qerl adapters download JOB --checkpoint STEP -o DIR")
+            adapter_id = named[0]
+        target = cache_root() / "adapters" / adapter_id
+        if not (target / "adapter_config.json").is_file():
+            part = target.with_name(f".{adapter_id}.{os.getpid()}.part")
+            shutil.rmtree(part, ignore_errors=True)
+            console.print(f"[dim]downloading {adapter_id} to {target}[/]")
+            try:
+                client.download_adapter(adapter_id, part)
+                if not target.exists():
+                    part.rename(target)
+            finally:
+                shutil.rmtree(part, ignore_errors=True)
+    return target
 
 
 def _adapter_facts(adapter: Path) -> tuple[str, str]:
@@ -61,8 +105,11 @@ def _prompts(prompt: list[str], prompts_file: Path | None, system: str | None) -
     return out
 
 
+@_errors_as_messages
 def generate_cmd(
-    adapter: Annotated[Path, typer.Argument(help="an adapter directory (qerl adapters download, qerl train)")],
+    adapter_ref: Annotated[str, typer.Argument(
+        metavar="ADAPTER", help="an adapter directory (qerl adapters download, qerl train), or from the server: "
+        "a job id (ftjob-...), an adapter id or a fine-tuned model (ft:...)")],
     prompt: Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="a user message (repeatable)")] = None,
     prompts_file: Annotated[Optional[Path], typer.Option(
         help="JSON lines: {\"messages\": [...]} or {\"prompt\": \"...\"}", exists=True, dir_okay=False)] = None,
@@ -77,6 +124,8 @@ def generate_cmd(
     compare: Annotated[bool, typer.Option(help="also answer with the base model alone")] = True,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="JSON lines, one per prompt")] = False,
+    base_url: BaseUrl = None,
+    api_key: ApiKey = None,
 ) -> None:
     """Answer prompts with a fine-tuned adapter on its base model (and with the base alone)."""
     import torch
@@ -92,6 +141,9 @@ def generate_cmd(
     from engine.types import TrainError
 
     chats = _prompts(prompt or [], prompts_file, system)
+    adapter = Path(adapter_ref)
+    if not adapter.exists() and adapter_ref.startswith(SERVER_REFS):
+        adapter = _fetch(adapter_ref, base_url, api_key)
     trained_base, trained_format = _adapter_facts(adapter)
     base_model = base or trained_base
     if not base_model:

@@ -23,7 +23,7 @@ from rich.table import Table
 from qerl.client import Client, QerlError
 from qerl.watch import watch_job
 
-console = Console()
+console = Console(emoji=False)
 
 
 def _free_port() -> int:

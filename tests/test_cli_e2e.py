@@ -457,3 +457,24 @@ def test_samples_show_what_the_model_wrote_at_a_step(cli_job: CliJob, qerl_serve
     assert {x["step"] for x in newest} == {STEPS}  # the newest step's, evaluation included where it evaluated
     bad = qerl_server.qerl("jobs", "samples", cli_job.job_id, "--kind", "test")
     assert bad.returncode == 1 and "--kind must be train or eval" in bad.stdout + bad.stderr
+
+
+def test_generate_fetches_a_jobs_adapter_from_the_server(cli_job: CliJob, qerl_server: Served) -> None:
+    """`qerl generate ftjob-...` downloads the job's adapter into the cache (once) and answers with
+    it on the base its manifest names; the fine-tuned model's name finds the same adapter."""
+    adapter_id = cli_job.job["qerl"]["adapter_id"]
+    args = ("--prompt", "Write sentence number 3.", "--max-new-tokens", "6", "--json", "--device", "cpu")
+    by_job = qerl_server.qerl("generate", cli_job.job_id, *args, timeout=300)
+    assert by_job.returncode == 0, by_job.stderr
+    cached = Path(qerl_server.env["QERL_CACHE_DIR"]) / "adapters" / adapter_id
+    assert (cached / "adapter_config.json").is_file() and (cached / "qerl_manifest.json").is_file()
+    assert not list(cached.parent.glob(".*.part"))
+    [row] = [json.loads(line) for line in by_job.stdout.splitlines() if line.startswith("{")]
+    assert (row["model"], row["quantization"]) == ("tiny", cli_job.job["qerl"]["spec"]["quantization"])
+    assert row["tokens"] == len(row["token_ids"]) >= 1 and "base_completion" in row
+    by_name = qerl_server.qerl("generate", cli_job.job["fine_tuned_model"], *args, timeout=300)
+    assert by_name.returncode == 0, by_name.stderr
+    assert "downloading" not in by_name.stdout + by_name.stderr  # the cached copy serves
+    assert [json.loads(line) for line in by_name.stdout.splitlines() if line.startswith("{")] == [row]
+    unknown = qerl_server.qerl("generate", "ft:tiny:nobody:x:y", *args)
+    assert unknown.returncode == 1 and "no fine-tuned model ft:tiny:nobody:x:y" in unknown.stderr
