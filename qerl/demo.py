@@ -118,7 +118,8 @@ def run_demo(data_dir: Path, steps: int | None) -> int:
         adapter_id = job["qerl"]["adapter_id"]
         out = client.download_adapter(adapter_id, data_dir / "adapters" / adapter_id)
         console.print(f"Adapter [bold]{adapter_id}[/] downloaded (sha256 verified) to {out}; "
-                      f"load it with peft.PeftModel.from_pretrained(base, '{out}')")
+                      f"load it with peft.PeftModel.from_pretrained(base, '{out}'), or try it beside the base: "
+                      f"qerl generate {out} -p 'What is 12 times 7?'", highlight=False)
         return 0
     except QerlError as exc:
         console.print(f"[red]{exc}[/]")
