@@ -116,6 +116,7 @@ def watch_job(client: Client, job_id: str, console: Console, interval: float = 1
     try:
         with Progress(*columns, console=console) as progress:
             task = progress.add_task(job["status"], total=total or None, info="", eta="")
+            last_place = None
             while True:
                 evaluated = False
                 while True:
@@ -142,6 +143,10 @@ def watch_job(client: Client, job_id: str, console: Console, interval: float = 1
                     _labelled("entropy", _fmt(latest, "entropy", ".3f")),
                     _labelled("sigma", _fmt(latest, "aqn_sigma", ".1e")),
                     _labelled("tok/s", _fmt(latest, "rollout_tokens_per_s", ".0f"))) if p)
+                place = job["qerl"].get("queue_position") if job["status"] == "queued" else None
+                if place and place != last_place:
+                    console.print(f"queued: position {place} (1: the next job a free worker takes)", highlight=False)
+                last_place = place
                 progress.update(task, description=job["status"], total=total or None, completed=step, info=info,
                                 eta=_eta(step, total, step_seconds, job["qerl"].get("started_at")))
                 if job["status"] in TERMINAL_STATES or job["status"] == PAUSED:

@@ -242,6 +242,33 @@ def test_the_cli_shows_a_queued_jobs_place(live_server, key_a):
     assert f"queued #{place}" in listed.output, listed.output
 
 
+def test_watch_says_where_a_queued_job_waits(live_server, key_a):
+    """`qerl jobs watch` on a job no worker takes (this server runs none) prints its place in the
+    queue once, then ends when the job is cancelled."""
+    import io
+    import threading
+
+    from rich.console import Console
+
+    from qerl.client import Client
+    from qerl.watch import watch_job
+
+    job_id = httpx.post(f"{live_server.url}/v1/fine_tuning/jobs", headers=key_a.headers,
+                        json={"model": MODEL, "qerl": {"dataset": RG, "steps": 3}}).json()["id"]
+    place = httpx.get(f"{live_server.url}/v1/fine_tuning/jobs/{job_id}",
+                      headers=key_a.headers).json()["qerl"]["queue_position"]
+    buf = io.StringIO()
+    timer = threading.Timer(1.5, lambda: httpx.post(f"{live_server.url}/v1/fine_tuning/jobs/{job_id}/cancel",
+                                                    headers=key_a.headers))
+    timer.start()
+    with Client(base_url=live_server.url, api_key=key_a.secret) as client:
+        final = watch_job(client, job_id, Console(file=buf, width=200), interval=0.2)
+    timer.join()
+    assert final["status"] == "cancelled"
+    said = [line for line in buf.getvalue().splitlines() if line.startswith("queued: position")]
+    assert said == [f"queued: position {place} (1: the next job a free worker takes)"], buf.getvalue()
+
+
 def test_cancel_of_a_running_job_asks_the_worker(client, key_a, file_id, db_sessions):
     job_id = client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=body(file_id)).json()["id"]
     with db_sessions() as s:
