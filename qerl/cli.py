@@ -9,7 +9,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help="qerl: RL fin
 
 # (module, what it adds); a module that cannot be imported leaves its commands out with a note.
 _COMMANDS = (
-    ("qerl.cli_service", "serve, keys, migrate"),
+    ("qerl.cli_service", "serve, keys, migrate, queue"),
     ("worker.cli", "worker"),
     ("qerl.cli_engine", "train, quantize"),
     ("qerl.cli_generate", "generate"),

@@ -1,4 +1,5 @@
-"""``qerl serve``, ``qerl keys create|list|revoke``, ``qerl migrate``."""
+"""``qerl serve``, ``qerl keys create|list|revoke``, ``qerl migrate``, ``qerl queue``: the
+operator's commands, on the database itself (DATABASE_URL, or the embedded SQLite file)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -78,6 +79,39 @@ def keys_revoke(key_id: str = typer.Argument(..., help="the key's id (qerl keys 
     typer.echo(f"revoked {key_id}")
 
 
+def queue_cmd(as_json: bool = typer.Option(False, "--json", help="one JSON object: running and queued")) -> None:
+    """The operator's view of the queue (every project): the jobs running, with their worker, and
+    the jobs queued in the order workers will take them."""
+    import json
+
+    from sqlalchemy import select
+
+    from service import queue
+    from service.models import Job
+    from service.views import unix
+
+    with _sessions(_settings())() as session:
+        running = session.scalars(select(Job).where(Job.status.in_(queue.ACTIVE)).order_by(Job.started_at)).all()
+        rows = session.execute(queue.queued_with_turns()).all()
+    place = queue.rank(rows)
+    waiting = sorted(rows, key=lambda r: place[r.id])
+    if as_json:
+        typer.echo(json.dumps({
+            "running": [{"id": j.id, "project": j.project, "status": j.status, "worker": j.lease_owner,
+                         "attempt": j.attempt, "step": j.step, "total_steps": j.total_steps,
+                         "started_at": unix(j.started_at)} for j in running],
+            "queued": [{"position": place[r.id], "id": r.id, "project": r.project, "created_at": unix(r.created_at)}
+                       for r in waiting]}, indent=2))
+        return
+    typer.echo(f"running ({len(running)}):")
+    for j in running:
+        typer.echo(f"  {j.id}\t{j.project}\t{j.status}\tstep {j.step}/{j.total_steps}\tattempt {j.attempt}"
+                   f"\t{j.lease_owner or '-'}")
+    typer.echo(f"queued ({len(waiting)}), in the order workers take them:")
+    for r in waiting:
+        typer.echo(f"  {place[r.id]}\t{r.id}\t{r.project}")
+
+
 def migrate() -> None:
     """Bring the database (DATABASE_URL, or the embedded SQLite file) to the latest schema."""
     from service.db import upgrade_head
@@ -91,4 +125,5 @@ def register(app: typer.Typer) -> None:
     """Add the service's commands to the root ``qerl`` app."""
     app.command("serve")(serve)
     app.command("migrate")(migrate)
+    app.command("queue")(queue_cmd)
     app.add_typer(keys_app, name="keys")

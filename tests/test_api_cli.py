@@ -96,3 +96,29 @@ def test_serve_first_start_creates_and_saves_a_key(embedded_env):
     assert f"created API key {secret}" in out  # printed once, on the first start
     out = run_serve(env, free_port(), check)  # the second start (another port) keeps the key, prints none,
     assert "created API key" not in out and json.loads(config_path.read_text())["api_key"] == secret  # new URL
+
+
+def test_queue_shows_the_running_jobs_and_the_queue_in_take_order(embedded_env):
+    from service import queue
+    from service.db import make_engine, make_sessionmaker
+    from tests._worker_fixtures import make_job
+
+    runner = CliRunner()
+    assert runner.invoke(app, ["migrate"]).exit_code == 0
+    engine = make_engine(f"sqlite:///{Path(embedded_env['QERL_DATA_DIR']) / 'qerl.db'}")
+    try:
+        with make_sessionmaker(engine)() as s:
+            a1, a2 = (make_job(s, {"model": "tiny", "steps": 3}, project="team-a").id for _ in range(2))
+            b1 = make_job(s, {"model": "tiny", "steps": 3}, project="team-b").id
+            queue.claim(s, a1, "gpu0@host:4242", lease_seconds=60)
+    finally:
+        engine.dispose()
+    got = runner.invoke(app, ["queue", "--json"])
+    assert got.exit_code == 0, got.output
+    view = json.loads(got.stdout)
+    assert [(j["id"], j["project"], j["worker"], j["attempt"]) for j in view["running"]] == \
+        [(a1, "team-a", "gpu0@host:4242", 1)]
+    assert [(j["position"], j["id"]) for j in view["queued"]] == [(1, b1), (2, a2)]  # team-b's turn first
+    text = runner.invoke(app, ["queue"]).stdout
+    assert "running (1):" in text and "gpu0@host:4242" in text
+    assert f"queued (2), in the order workers take them:\n  1\t{b1}\tteam-b\n  2\t{a2}\tteam-a\n" in text
