@@ -439,7 +439,8 @@ def adapters_list(base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJ
 
 @adapters_app.command("download")
 @_errors_as_messages
-def adapters_download(adapter_id: Annotated[str, typer.Argument(help="adapter id, or the id of a job that succeeded")],
+def adapters_download(adapter_id: Annotated[str, typer.Argument(
+                          help="adapter id, the id of a job that succeeded, or the fine-tuned model (ft:...)")],
                       output: Annotated[Optional[Path], typer.Option("-o", "--output", file_okay=False,
                                                                       help="directory (default ./<adapter id>)")] = None,
                       checkpoint: Annotated[Optional[int], typer.Option(
@@ -449,12 +450,7 @@ def adapters_download(adapter_id: Annotated[str, typer.Argument(help="adapter id
     with _client(base_url, api_key) as client:
         if checkpoint is not None:
             return _download_checkpoint(client, adapter_id, checkpoint, output)
-        if adapter_id.startswith("ftjob-"):
-            job = client.job(adapter_id)
-            adapter_id = job["qerl"].get("adapter_id") or ""
-            if not adapter_id:
-                raise QerlError(409, f"job {job['id']} is {job['status']} and has no adapter yet; wait for it "
-                                     f"to succeed (qerl jobs watch {job['id']})")
+        adapter_id = client.adapter_id_of(adapter_id)
         meta = client.adapter(adapter_id)
         target = output or Path(adapter_id)
         with _progress() as progress:

@@ -33,22 +33,10 @@ def _fetch(ref: str, base_url: str | None, api_key: str | None) -> Path:
     import shutil
 
     from engine.model.gguf import cache_root
-    from qerl.client import Client, QerlError
+    from qerl.client import Client
 
     with Client(base_url=base_url, api_key=api_key) as client:
-        adapter_id = ref
-        if ref.startswith("ftjob-"):
-            job = client.job(ref)
-            adapter_id = job["qerl"].get("adapter_id") or ""
-            if not adapter_id:
-                raise QerlError(409, f"job {ref} is {job['status']} and has no adapter yet; wait for it to succeed "
-                                     f"(qerl jobs watch {ref})")
-        elif ref.startswith("ft:"):
-            named = [a["id"] for a in client.adapters() if a["name"] == ref]
-            if not named:
-                raise QerlError(404, f"no fine-tuned model {ref} in this project (qerl adapters list); for a kept "
-                                     "checkpoint's LoRA: qerl adapters download JOB --checkpoint STEP -o DIR")
-            adapter_id = named[0]
+        adapter_id = client.adapter_id_of(ref)
         target = cache_root() / "adapters" / adapter_id
         if not (target / "adapter_config.json").is_file():
             part = target.with_name(f".{adapter_id}.{os.getpid()}.part")

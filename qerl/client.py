@@ -194,6 +194,23 @@ class Client:
     def adapter(self, adapter_id: str) -> dict[str, Any]:
         return self.get(f"/v1/adapters/{adapter_id}")
 
+    def adapter_id_of(self, ref: str) -> str:
+        """The adapter a reference names: a succeeded job's (``ftjob-...``), a fine-tuned model's
+        (``ft:...``), or an adapter id as it is."""
+        if ref.startswith("ftjob-"):
+            job = self.job(ref)
+            if not job["qerl"].get("adapter_id"):
+                raise QerlError(409, f"job {ref} is {job['status']} and has no adapter yet; wait for it to succeed "
+                                     f"(qerl jobs watch {ref})")
+            return job["qerl"]["adapter_id"]
+        if ref.startswith("ft:"):
+            named = [a["id"] for a in self.adapters() if a["name"] == ref]
+            if not named:
+                raise QerlError(404, f"no fine-tuned model {ref} in this project (qerl adapters list); for a kept "
+                                     "checkpoint's LoRA: qerl adapters download JOB --checkpoint STEP -o DIR")
+            return named[0]
+        return ref
+
     def download_adapter(self, adapter_id: str, out_dir: Path,
                          progress: Callable[[int, int], None] | None = None) -> Path:
         """Download the adapter's tar.gz, check its sha256 against the server's, extract into out_dir.

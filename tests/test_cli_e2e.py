@@ -478,3 +478,7 @@ def test_generate_fetches_a_jobs_adapter_from_the_server(cli_job: CliJob, qerl_s
     assert [json.loads(line) for line in by_name.stdout.splitlines() if line.startswith("{")] == [row]
     unknown = qerl_server.qerl("generate", "ft:tiny:nobody:x:y", *args)
     assert unknown.returncode == 1 and "no fine-tuned model ft:tiny:nobody:x:y" in unknown.stderr
+    out = Path(qerl_server.env["QERL_CACHE_DIR"]) / "by-name"
+    by_model = qerl_server.qerl("adapters", "download", cli_job.job["fine_tuned_model"], "-o", str(out))
+    assert by_model.returncode == 0 and f"adapter {adapter_id} " in by_model.stdout, by_model.stderr
+    assert (out / "adapter_model.safetensors").read_bytes() == (cached / "adapter_model.safetensors").read_bytes()
