@@ -166,10 +166,11 @@ def generate_cmd(
         with lora_disabled(model):
             alone = answer()
     for i, chat in enumerate(chats):
-        row: dict[str, Any] = {"model": base_model, "quantization": fmt, "messages": chat, "completion": tokenizer.decode(tuned[i].token_ids,
-                                                                                skip_special_tokens=True),
-                               "finish_reason": tuned[i].finish_reason, "tokens": len(tuned[i].token_ids),
-                               "token_ids": list(tuned[i].token_ids)}
+        got = tuned[i]
+        row: dict[str, Any] = {"model": base_model, "quantization": fmt, "messages": chat,
+                               "completion": tokenizer.decode(got.token_ids, skip_special_tokens=True),
+                               "finish_reason": got.finish_reason, "tokens": len(got.token_ids),
+                               "token_ids": list(got.token_ids)}
         if alone is not None:
             row["base_completion"] = tokenizer.decode(alone[i].token_ids, skip_special_tokens=True)
             row["base_token_ids"] = list(alone[i].token_ids)
