@@ -264,3 +264,42 @@ def test_pause_resume_and_cancel_buttons_drive_a_running_job(browser, cli_job: C
                                                 headers=qerl_server.headers).json()["data"]]
     step = paused["qerl"]["progress"]["step"]
     assert f"Resuming from checkpoint step {step} (attempt 2)" in messages
+
+
+@needs_chromium
+def test_a_queued_jobs_page_shows_its_place_in_the_queue(browser, cli_job: CliJob, qerl_server: Served) -> None:
+    """While the only worker runs a long job, a second job waits: its page says it is next."""
+    from selenium.webdriver.common.by import By
+
+    def create(steps: int) -> str:
+        body = yaml.safe_load(JOB_SPEC_YAML) | {"training_file": cli_job.file_id, "seed": 9}
+        body["qerl"].update(steps=steps, checkpoint_interval=0)
+        resp = httpx.post(f"{qerl_server.url}/v1/fine_tuning/jobs", json=body, headers=qerl_server.headers)
+        assert resp.status_code == 200, resp.text
+        return resp.json()["id"]
+
+    def job(job_id: str) -> dict:
+        return httpx.get(f"{qerl_server.url}/v1/fine_tuning/jobs/{job_id}", headers=qerl_server.headers).json()
+
+    busy = create(300)
+    driver = browser
+    try:
+        _wait(driver, lambda d: job(busy)["status"] == "running", timeout=120, what="the first job to run")
+        waiting = create(2)
+        assert job(waiting)["qerl"]["queue_position"] == 1
+        driver.get(f"{qerl_server.url}/")
+        driver.execute_script("localStorage.setItem('qerl.apiKey', arguments[0])", qerl_server.api_key)
+        driver.get(f"{qerl_server.url}/#/jobs/{waiting}")
+        driver.refresh()
+
+        def facts(d) -> dict:  # type: ignore[no-untyped-def]  (read at once: the page re-renders them)
+            return d.execute_script("return Object.fromEntries([...document.querySelectorAll('#job-facts > div')]"
+                                    ".map(e => [e.querySelector('dt').textContent, e.querySelector('dd').textContent]))")
+
+        _wait(driver, lambda d: d.find_element(By.ID, "job-id").text == waiting and "Queue position" in facts(d),
+              what="the queued job's page")
+        assert facts(driver)["Queue position"] == "1 (1: next to start)"
+    finally:
+        for jid in (busy, *([waiting] if "waiting" in locals() else [])):
+            httpx.post(f"{qerl_server.url}/v1/fine_tuning/jobs/{jid}/cancel", headers=qerl_server.headers)
+    _wait(driver, lambda d: job(busy)["status"] == "cancelled", timeout=60, what="the first job to be cancelled")
