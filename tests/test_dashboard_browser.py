@@ -299,6 +299,10 @@ def test_a_queued_jobs_page_shows_its_place_in_the_queue(browser, cli_job: CliJo
         _wait(driver, lambda d: d.find_element(By.ID, "job-id").text == waiting and "Queue position" in facts(d),
               what="the queued job's page")
         assert facts(driver)["Queue position"] == "1 (1: next to start)"
+        driver.get(f"{qerl_server.url}/#/")  # the jobs list marks it too
+        _wait(driver, lambda d: d.execute_script(
+            "const r = document.querySelector(`tr[data-job-id='${arguments[0]}'] .place`); return r && r.textContent",
+            waiting) == " #1", what="the queued job's place in the list")
     finally:
         for jid in (busy, *([waiting] if "waiting" in locals() else [])):
             httpx.post(f"{qerl_server.url}/v1/fine_tuning/jobs/{jid}/cancel", headers=qerl_server.headers)

@@ -171,7 +171,8 @@
       const pct = p.total_steps ? Math.round((100 * p.step) / p.total_steps) : 0;
       return el('tr', { class: 'job-row', 'data-job-id': j.id, 'data-status': j.status },
         el('td', {}, el('a', { href: `#/jobs/${j.id}` }, j.id)),
-        el('td', {}, badge(j.status)),
+        el('td', {}, badge(j.status), j.qerl.queue_position
+          ? el('span', { class: 'place', title: 'place in the queue (1: next to start)' }, ` #${j.qerl.queue_position}`) : null),
         el('td', {}, j.model),
         el('td', {}, el('span', { class: 'mini' }, el('span', { style: `width:${pct}%` })), `${p.step}/${p.total_steps}`),
         el('td', {}, when(j.created_at)),
