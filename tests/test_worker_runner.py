@@ -18,7 +18,7 @@ from service import queue
 from service.models import Adapter, Checkpoint, File, Job, JobMetric, JobSample, utcnow
 from service.settings import Settings
 from tests._worker_fixtures import cancel_leftovers, events, make_job, tiny_spec, wait_for_status
-from worker.runner import WorkerContext, run_job
+from worker.runner import WorkerContext, execute
 
 
 @pytest.fixture
@@ -27,6 +27,13 @@ def ctx(sessions, any_db_url, tiny_model_dir, tmp_path, dispatched):
     settings = Settings(database_url=any_db_url, redis_url=None, artifact_dir=tmp_path / "artifacts",
                         data_dir=tmp_path, lease_seconds=10, heartbeat_seconds=0.3)
     return WorkerContext(settings=settings, sessions=sessions, worker_id="test-worker", shutdown=threading.Event())
+
+
+def run_job(ctx: WorkerContext, job_id: str) -> str:
+    """Claim ``job_id`` and run it as a worker would; "skipped" if it cannot be claimed."""
+    with ctx.sessions() as s:
+        job = queue.claim(s, job_id, ctx.worker_id, lease_seconds=ctx.settings.lease_seconds)
+    return "skipped" if job is None else execute(ctx, job)
 
 
 def _metrics(s, job_id: str) -> list[JobMetric]:

@@ -47,18 +47,9 @@ class WorkerContext:
     parent_pid: int | None = None  # Celery child: stop if this parent dies
 
 
-def run_job(ctx: WorkerContext, job_id: str) -> str:
-    """Claim ``job_id`` and run it; "skipped" if it cannot be claimed (duplicate/late message)."""
-    with ctx.sessions() as s:
-        job = queue.claim(s, job_id, ctx.worker_id, lease_seconds=ctx.settings.lease_seconds)
-    if job is None:
-        log.info("job %s: not claimable (already taken, cancelled or finished); nothing to do", job_id)
-        return "skipped"
-    return execute(ctx, job)
-
-
 def run_next(ctx: WorkerContext) -> str | None:
-    """Claim the oldest queued job and run it; None if the queue is empty."""
+    """Claim the queued job whose turn it is (service.queue.fair_order) and run it; None if the
+    queue is empty."""
     with ctx.sessions() as s:
         job = queue.claim_next(s, ctx.worker_id, lease_seconds=ctx.settings.lease_seconds)
     return None if job is None else execute(ctx, job)
