@@ -33,7 +33,9 @@ def serve(host: Optional[str] = typer.Option(None, help="bind address [QERL_HOST
 
     settings = _settings(host=host, port=port)
     mode = "embedded (SQLite + in-process worker)" if settings.embedded else "with Celery workers"
-    typer.echo(f"qerl serving on {settings.base_url} {mode}; artifacts in {settings.artifact_dir}")
+    where = (f"{settings.artifact_url} (cached in {settings.artifact_dir})" if settings.artifact_url
+             else settings.artifact_dir)
+    typer.echo(f"qerl serving on {settings.base_url} {mode}; artifacts in {where}")
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=log_level,
                 timeout_graceful_shutdown=30)
 

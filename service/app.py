@@ -25,7 +25,7 @@ from service.ratelimit import RateLimiter
 from service.reads import make_reads
 from service.routes import api_router, health
 from service.settings import Settings, get_settings
-from service.storage import ArtifactStore
+from service.storage import open_store
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.sessionmaker = make_sessionmaker(app.state.engine)
     app.state.read_sessionmaker = (app.state.sessionmaker if settings.is_sqlite else  # see deps.get_read_session
                                    make_sessionmaker(app.state.engine.execution_options(isolation_level="AUTOCOMMIT")))
-    app.state.store = ArtifactStore(settings.artifact_dir)  # type: ignore[arg-type]
+    app.state.store = open_store(settings)
     app.state.rate_limiter = RateLimiter(settings.rate_limit_per_minute)
     app.state.key_cache = KeyCache(settings.auth_cache_seconds)
     app.state.metrics = metrics = Metrics(app.state.sessionmaker)

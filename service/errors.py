@@ -27,6 +27,7 @@ from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.reads import PoolTimeout
+from service.storage import StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +154,13 @@ def install(app: FastAPI) -> None:
             req.app.state.metrics.pool.timed_out()  # service.reads counts its own
         log.warning("database unavailable: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return database_unavailable(exc)
+
+    @app.exception_handler(StoreUnavailable)
+    async def _store_down(_req: Request, exc: Exception) -> JSONResponse:
+        log.warning("artifact store unavailable: %s", exc)
+        return error_response(503, f"The artifact store is unavailable ({exc}); nothing was changed. Retry later; "
+                                   "the operator should check ARTIFACT_URL, AWS_ENDPOINT_URL and the AWS credentials.",
+                              code="artifact_store_unavailable")
 
     @app.exception_handler(sa_exc.DataError)
     @app.exception_handler(psycopg.DataError)

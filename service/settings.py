@@ -24,6 +24,11 @@ class Settings(BaseSettings):
     database_url: str | None = Field(default=None, validation_alias=_env("DATABASE_URL", "QERL_DATABASE_URL"))
     redis_url: str | None = Field(default=None, validation_alias=_env("REDIS_URL", "QERL_REDIS_URL"))
     artifact_dir: Path | None = Field(default=None, validation_alias=_env("ARTIFACT_DIR", "QERL_ARTIFACT_DIR"))
+    # s3://bucket[/prefix]: the artifacts live in that bucket and ARTIFACT_DIR is each host's cache
+    # of it (service.storage_s3; the endpoint and credentials are boto3's: AWS_ENDPOINT_URL, ...)
+    artifact_url: str | None = Field(default=None, validation_alias=_env("ARTIFACT_URL", "QERL_ARTIFACT_URL"))
+    # with a bucket: a host's copies of files and adapters not written or fetched for this long go
+    artifact_cache_seconds: float = Field(default=86400.0, gt=0)
     max_upload_bytes: int = Field(default=100 * 1024 * 1024, gt=0,
                                   validation_alias=_env("MAX_UPLOAD_BYTES", "QERL_MAX_UPLOAD_BYTES"))
 
@@ -69,7 +74,7 @@ class Settings(BaseSettings):
     auto_migrate: bool | None = None  # None: only in embedded mode
     config_path: Path | None = Field(default=None, validation_alias=_env("QERL_CONFIG"))  # client config file
 
-    @field_validator("database_url", "redis_url", "webhook_url", "webhook_secret", mode="before")
+    @field_validator("database_url", "redis_url", "webhook_url", "webhook_secret", "artifact_url", mode="before")
     @classmethod
     def _blank_is_none(cls, value: object) -> object:
         return None if isinstance(value, str) and not value.strip() else value
@@ -86,6 +91,10 @@ class Settings(BaseSettings):
             raise ValueError("DATABASE_URL must use the psycopg 3 driver: postgresql+psycopg://user@host/db")
         if self.webhook_url is not None:
             _check_webhook(self.webhook_url, self.webhook_secret)
+        if self.artifact_url is not None:
+            from service.storage_s3 import parse_url
+
+            parse_url(self.artifact_url)
         if self.heartbeat_seconds * 2 > self.lease_seconds:
             raise ValueError("QERL_HEARTBEAT_SECONDS must be at most half of QERL_LEASE_SECONDS "
                              "(a lease must survive one missed heartbeat)")

@@ -1,4 +1,5 @@
-"""Artifact store on the local disk (a shared mount when workers run on other hosts).
+"""Artifact store: the local disk (a shared mount when workers run on other hosts), or that disk
+as a cache of an S3-compatible bucket (``ARTIFACT_URL=s3://bucket/prefix``, ``service.storage_s3``).
 
 Everything is written under ``tmp/`` first and renamed into place, so a reader never sees half a
 file and a failed or oversized upload leaves nothing behind. The sha256 is computed while
@@ -8,6 +9,14 @@ database are relative to the store's root.
 
 Layout: ``files/<file-id>.jsonl`` (written here); ``jobs/<job-id>/`` (a job's workdir) and
 ``adapters/<adapter-id>.tar.gz`` (written by the worker, ``worker.artifacts``).
+
+With a bucket, the bucket holds every artifact under the same relative names and each host's
+directory is a cache: ``publish`` writes the file here and uploads it before it is named in the
+database, ``verified`` fetches a file this host lacks (and fetches again a cached copy that no
+longer hashes right), deletions reach both. A job's workdir stays on the host that runs it; its
+checkpoints and best-step adapters are uploaded as one tar object per directory
+(``jobs/<id>/checkpoints/step-000004.tar``: an object appears whole or not at all), so another host
+resumes the job, or serves a checkpoint's LoRA, from them (``push_dir``, ``local_dir``).
 """
 from __future__ import annotations
 
@@ -18,9 +27,10 @@ import secrets
 import shutil
 import time
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 log = logging.getLogger(__name__)
 CHUNK = 1024 * 1024
@@ -28,6 +38,10 @@ CHUNK = 1024 * 1024
 
 class Corrupt(Exception):
     """The bytes on disk no longer hash to the sha256 recorded when they were written."""
+
+
+class StoreUnavailable(Exception):
+    """The artifact bucket did not answer, or refused (not a missing object: FileNotFoundError)."""
 
 
 class TooLarge(Exception):
@@ -53,9 +67,16 @@ class Staged:
     sha256: str
 
     def publish(self, rel: str) -> Blob:
+        """Rename into place (and upload, with a bucket): when it returns, every host can read it."""
         dest = self.store.abspath(rel)
         dest.parent.mkdir(parents=True, exist_ok=True)
         os.replace(self.tmp, dest)
+        if self.store.remote is not None:
+            try:
+                self.store.remote.upload(dest, rel, self.sha256)
+            except BaseException:
+                dest.unlink(missing_ok=True)
+                raise
         return Blob(rel, self.bytes, self.sha256)
 
     def discard(self) -> None:
@@ -72,10 +93,25 @@ def iter_chunks(fh: BinaryIO, size: int = CHUNK) -> Iterator[bytes]:
         yield chunk
 
 
+class Remote(Protocol):
+    """Where a bucket-backed store keeps the artifacts (service.storage_s3.S3Remote)."""
+
+    url: str
+
+    def upload(self, local: Path, rel: str, sha256: str | None = None) -> None: ...
+    def download(self, rel: str, dest: Path) -> None: ...  # FileNotFoundError when there is no such object
+    def delete(self, rel: str) -> None: ...
+    def delete_prefix(self, rel: str) -> None: ...
+    def names(self, rel: str) -> list[str]: ...  # the names directly under rel/ (objects and "folders")
+    def check(self) -> None: ...
+
+
 class ArtifactStore:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, remote: Remote | None = None, *, cache_seconds: float = 86400.0) -> None:
         self.root = Path(root).expanduser().resolve()
         self.tmp_dir = self.root / "tmp"
+        self.remote, self.cache_seconds = remote, cache_seconds
+        self._next_sweep = 0.0  # monotonic time of the next sweep_cache a fetch runs
         self._verified: dict[Path, tuple[int, int, str]] = {}  # path -> (size, mtime_ns, sha256) that matched
 
     def ensure(self) -> None:
@@ -142,8 +178,31 @@ class ArtifactStore:
     def verified(self, rel: str, sha256: str) -> Path:
         """The path of ``rel`` once its bytes hash to ``sha256``; FileNotFoundError or Corrupt otherwise.
 
-        A file is hashed again only when its size or mtime changed since it last matched."""
+        A file is hashed again only when its size or mtime changed since it last matched. With a
+        bucket, a file this host lacks is fetched first, and a cached copy that does not match is
+        fetched again (the bucket is the truth)."""
         path = self.abspath(rel)
+        try:
+            return self._verified_here(rel, sha256, path)
+        except (FileNotFoundError, Corrupt):
+            if self.remote is None:
+                raise
+        self._fetch(rel, path)
+        return self._verified_here(rel, sha256, path)
+
+    def _fetch(self, rel: str, path: Path) -> None:
+        if time.monotonic() >= self._next_sweep:  # fetches are what grow the cache: they keep it swept
+            self._next_sweep = time.monotonic() + min(3600.0, self.cache_seconds / 4)
+            self.sweep_cache(self.cache_seconds)
+        tmp = self._tmp_path()
+        try:
+            self.remote.download(rel, tmp)  # type: ignore[union-attr]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _verified_here(self, rel: str, sha256: str, path: Path) -> Path:
         st = path.stat()  # FileNotFoundError when it is gone
         stamp = (st.st_size, st.st_mtime_ns, sha256)
         if self._verified.get(path) == stamp:
@@ -161,21 +220,150 @@ class ArtifactStore:
         return path
 
     def delete(self, rel: str) -> None:
+        """Remove ``rel`` here and from the bucket. Callers delete a file after the row that named
+        it: a bucket that fails then leaves an orphan object (logged), as a crash in between would."""
         self.abspath(rel).unlink(missing_ok=True)
+        if self.remote is not None:
+            try:
+                self.remote.delete(rel)
+            except StoreUnavailable as exc:
+                log.warning("left an orphan object %s in the artifact bucket: %s", rel, exc)
 
     def delete_tree(self, rel: str) -> None:
         shutil.rmtree(self.abspath(rel), ignore_errors=True)
+        if self.remote is not None:
+            try:
+                self.remote.delete_prefix(rel)
+            except StoreUnavailable as exc:
+                log.warning("left orphan objects under %s in the artifact bucket: %s", rel, exc)
+
+    # -- directories (a job's checkpoints) -------------------------------------------------
+    def push_dir(self, rel: str) -> None:
+        """With a bucket, upload the directory ``rel`` as one tar object ``rel.tar`` (the files
+        sorted, named relative to it); without one there is nothing to do."""
+        if self.remote is None:
+            return
+        import tarfile
+
+        src = self.abspath(rel)
+        tmp = self._tmp_path()
+        try:
+            with tarfile.open(tmp, "w") as tar:
+                for f in sorted(p for p in src.rglob("*") if p.is_file()):
+                    tar.add(f, arcname=str(f.relative_to(src)))
+            self.remote.upload(tmp, f"{rel}.tar")
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def local_dir(self, rel: str) -> Path:
+        """The directory ``rel`` on this host: as it is, or (with a bucket) extracted from ``rel.tar``
+        into a temporary name and renamed into place. FileNotFoundError where neither has it."""
+        path = self.abspath(rel)
+        if path.is_dir() or self.remote is None:
+            if not path.is_dir():
+                raise FileNotFoundError(rel)
+            return path
+        unpacked = path.with_name(f".{path.name}.{secrets.token_hex(4)}.part")
+        try:
+            self._extract(rel, unpacked)
+            try:
+                unpacked.rename(path)
+            except OSError:  # another process put it there first
+                if not path.is_dir():
+                    raise
+        finally:
+            shutil.rmtree(unpacked, ignore_errors=True)
+        return path
+
+    @contextmanager
+    def checkpoint_dir(self, rel: str) -> Iterator[Path]:
+        """A job's checkpoint directory to read: where this host holds it, else (with a bucket)
+        extracted from its pushed tar into a temporary directory, removed afterwards.
+        FileNotFoundError where neither has it; ValueError for a path outside the store."""
+        path = self.abspath(rel)
+        if path.is_dir() or self.remote is None:
+            if not path.is_dir():
+                raise FileNotFoundError(rel)
+            yield path
+            return
+        tmp = self._tmp_path().with_suffix(".d")
+        try:
+            self._extract(rel, tmp)
+            yield tmp
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _extract(self, rel: str, dest: Path) -> None:
+        """``rel.tar`` from the bucket, extracted into ``dest`` (FileNotFoundError without such an object)."""
+        import tarfile
+
+        archive = self._tmp_path()
+        try:
+            self.remote.download(f"{rel}.tar", archive)  # type: ignore[union-attr]
+            dest.mkdir(parents=True)
+            with tarfile.open(archive) as tar:
+                tar.extractall(dest, filter="data")  # our own archive; "data" refuses links and escapes
+        finally:
+            archive.unlink(missing_ok=True)
+
+    def pushed_dirs(self, rel: str) -> list[str]:
+        """The names of the directories under ``rel`` that ``push_dir`` uploaded (none without a bucket)."""
+        if self.remote is None:
+            return []
+        return sorted(n[:-4] for n in self.remote.names(rel) if n.endswith(".tar"))
+
+    def drop_pushed_dir(self, rel: str) -> None:
+        if self.remote is not None:
+            self.remote.delete(f"{rel}.tar")
+
+    def sweep_cache(self, older_than_s: float) -> int:
+        """With a bucket, this host's copies of files, adapters and kept checkpoint LoRAs that were
+        written or fetched more than ``older_than_s`` ago go (the bucket keeps them; a later read
+        fetches them again). Returns how many; 0 without a bucket, where this disk is the store."""
+        if self.remote is None:
+            return 0
+        cutoff, removed = time.time() - older_than_s, 0
+        for sub in ("files", "adapters", "checkpoints"):
+            for path in (self.root / sub).rglob("*"):
+                try:
+                    if path.is_file() and path.stat().st_mtime < cutoff:
+                        path.unlink()
+                        removed += 1
+                except FileNotFoundError:
+                    pass
+        return removed
+
+    def check(self) -> None:
+        """Raise if the store cannot be used (the bucket unreachable or refusing these credentials)."""
+        if self.remote is not None:
+            self.remote.check()
 
     def sweep_tmp(self, older_than_s: float = 3600.0) -> int:
-        """Remove temporary files left by a crash; returns how many."""
+        """Remove temporary files (and a checkpoint's extracted directory) left by a crash; returns how many."""
         if not self.tmp_dir.exists():
             return 0
         cutoff, removed = time.time() - older_than_s, 0
         for path in self.tmp_dir.iterdir():
-            if path.is_file() and path.stat().st_mtime < cutoff:
+            if path.stat().st_mtime >= cutoff:
+                continue
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
                 path.unlink(missing_ok=True)
-                removed += 1
+            removed += 1
         return removed
+
+
+def open_store(settings: object) -> ArtifactStore:
+    """The store that ``settings`` name: ``artifact_dir``, with ``artifact_url``'s bucket behind it when set."""
+    remote = None
+    url = getattr(settings, "artifact_url", None)
+    if url:
+        from service.storage_s3 import S3Remote
+
+        remote = S3Remote(url)
+    return ArtifactStore(getattr(settings, "artifact_dir"), remote,
+                         cache_seconds=getattr(settings, "artifact_cache_seconds", 86400.0))
 
 
 def verified_artifact(store: ArtifactStore, rel: str, sha256: str, what: str) -> Path:

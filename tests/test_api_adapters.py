@@ -11,6 +11,7 @@ from pathlib import Path
 
 from service import queue
 from service.models import Adapter, new_id
+from service.storage import ArtifactStore
 from service.views import fine_tuned_model_name
 from tests.conftest import jsonl, training_rows
 from tests.test_api_files import assert_error, upload
@@ -27,7 +28,7 @@ def finish_job_with_adapter(db_sessions, settings, job_id: str, tmp_path: Path) 
     with db_sessions() as s:
         job = queue.claim(s, job_id, "test-worker", lease_seconds=60)
         adapter_id = new_id("adapter")
-        blob = pack_adapter(src, settings.artifact_dir, f"{adapter_id}.tar.gz")  # the worker's packer
+        blob = pack_adapter(src, ArtifactStore(settings.artifact_dir), f"{adapter_id}.tar.gz")  # the worker's packer
         adapter = Adapter(id=adapter_id, project=job.project, job_id=job_id, name=fine_tuned_model_name(job),
                           base_model=MODEL, path=blob.path, bytes=blob.bytes, sha256=blob.sha256,
                           manifest=blob.manifest)

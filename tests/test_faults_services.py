@@ -130,8 +130,9 @@ def fresh_db() -> Iterator[str]:
 
 # -- the API and jobs ----------------------------------------------------------------------------
 @contextmanager
-def api(env: dict[str, str], tmp_path: Path) -> Iterator[TestClient]:
-    """The app configured like the workers (their database, broker, queue and artifact store)."""
+def api(env: dict[str, str], tmp_path: Path, **over: Any) -> Iterator[TestClient]:
+    """The app configured like the workers (their database, broker, queue and artifact store);
+    ``over``: other settings."""
     from service.app import create_app
 
     settings = Settings(data_dir=tmp_path / "api", database_url=env["DATABASE_URL"], redis_url=env["REDIS_URL"],
@@ -139,7 +140,7 @@ def api(env: dict[str, str], tmp_path: Path) -> Iterator[TestClient]:
                         embedded_worker=False, auto_migrate=False, rate_limit_per_minute=0,
                         config_path=tmp_path / "client.json", lease_seconds=float(env["QERL_LEASE_SECONDS"]),
                         heartbeat_seconds=float(env["QERL_HEARTBEAT_SECONDS"]),
-                        max_attempts=int(env.get("QERL_MAX_ATTEMPTS", 3)))
+                        max_attempts=int(env.get("QERL_MAX_ATTEMPTS", 3)), **over)
     try:
         with TestClient(create_app(settings), raise_server_exceptions=False) as client:
             yield client

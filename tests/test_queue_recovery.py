@@ -10,6 +10,7 @@ from sqlalchemy import update
 
 from service import queue
 from service.models import Checkpoint, Job, utcnow
+from service.storage import ArtifactStore
 from tests._worker_fixtures import cancel_leftovers, events, make_job
 
 SPEC = {"model": "tiny", "steps": 10}
@@ -242,17 +243,17 @@ def test_workdirs_of_finished_jobs_are_removed_after_the_retention(sessions, tmp
     (tmp_path / "adapters" / "adapter-x.tar.gz").write_bytes(b"tarball")
 
     with sessions() as s:
-        removed = remove_finished_workdirs(s, tmp_path, retention_s=3600)
+        removed = remove_finished_workdirs(s, ArtifactStore(tmp_path), retention_s=3600)
     assert sorted(removed) == sorted([jobs["succeeded_old"], jobs["failed_old"], jobs["cancelled_old"]])
     left = sorted(p.name for p in (tmp_path / "jobs").iterdir())
     assert left == sorted([jobs[n] for n in ("succeeded_new", "queued", "running", "paused", "pausing")]
                           + [unknown.name])  # the cut-short removal finished too
     assert (tmp_path / "adapters" / "adapter-x.tar.gz").read_bytes() == b"tarball"
     with sessions() as s:
-        assert remove_finished_workdirs(s, tmp_path, retention_s=3600) == []  # idempotent
-        assert remove_finished_workdirs(s, tmp_path, retention_s=0) == [jobs["succeeded_new"]]
+        assert remove_finished_workdirs(s, ArtifactStore(tmp_path), retention_s=3600) == []  # idempotent
+        assert remove_finished_workdirs(s, ArtifactStore(tmp_path), retention_s=0) == [jobs["succeeded_new"]]
         assert (job_workdir(tmp_path, jobs["paused"]) / "checkpoints" / "step-000002").is_dir()
-    assert remove_finished_workdirs(None, tmp_path / "elsewhere", retention_s=0) == []  # no jobs/ yet
+    assert remove_finished_workdirs(None, ArtifactStore(tmp_path / "elsewhere"), retention_s=0) == []  # no jobs/ yet
 
 
 def test_worker_exited_ends_only_the_leases_of_that_nodes_dead_processes(sessions):

@@ -17,6 +17,7 @@ from sqlalchemy import select, update
 from service import queue
 from service.models import Adapter, Checkpoint, File, Job, JobMetric, JobSample, utcnow
 from service.settings import Settings
+from service.storage import ArtifactStore
 from tests._worker_fixtures import cancel_leftovers, events, make_job, tiny_spec, wait_for_status
 from worker.runner import WorkerContext, execute
 
@@ -353,7 +354,7 @@ def test_a_kept_checkpoint_lora_is_archived_with_its_row_or_not_at_all(ctx, sess
         job = make_job(s, tiny_spec("tiny"))
         queue.claim(s, job.id, "test-worker", lease_seconds=600)
     artifacts = ctx.settings.artifact_dir
-    reporter = DBReporter(sessions, job.id, 1, artifact_dir=artifacts, total_steps=3, retry=lambda fn, what: fn(),
+    reporter = DBReporter(sessions, job.id, 1, store=ArtifactStore(artifacts), total_steps=3, retry=lambda fn, what: fn(),
                           keep_checkpoint_adapters=True)
     ckpt = artifacts / "jobs" / job.id / "checkpoints" / "step-000001"
     (ckpt / "adapter").mkdir(parents=True)
@@ -501,7 +502,7 @@ def test_reported_samples_are_stored_even_with_a_nul_and_replace_a_rerun_of_the_
     with sessions() as s:
         job = make_job(s, tiny_spec("tiny"))
         attempt = queue.claim(s, job.id, "test-worker", lease_seconds=60).attempt
-    rep = DBReporter(sessions, job.id, attempt, artifact_dir=ctx.settings.artifact_dir, total_steps=3,
+    rep = DBReporter(sessions, job.id, attempt, store=ArtifactStore(ctx.settings.artifact_dir), total_steps=3,
                      retry=lambda write, what: write())
     row = {"index": 0, "prompt": "say\x00it", "completion": "a\x00b", "reward": 0.5, "scores": {"task": 0.5},
            "finish_reason": "stop", "tokens": 3}

@@ -20,7 +20,8 @@ from sqlalchemy.orm import Session
 
 from service import queue
 from service.models import Checkpoint, Job, JobMetric, JobSample, new_id, utcnow
-from worker.artifacts import pack_checkpoint_adapter
+from service.storage import ArtifactStore, StoreUnavailable
+from worker.artifacts import pack_checkpoint_adapter, push_workdir
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +54,12 @@ def step_message(step: int, total: int, values: dict[str, float | None]) -> str:
 
 
 class DBReporter:
-    def __init__(self, sessions: Callable[[], Session], job_id: str, attempt: int, *, artifact_dir: Path,
+    def __init__(self, sessions: Callable[[], Session], job_id: str, attempt: int, *, store: ArtifactStore,
                  total_steps: int, retry: Callable[[Callable[[], None], str], None],
                  on_status: Callable[[str], None] = lambda status: None,
                  keep_checkpoint_adapters: bool = False) -> None:
         self.sessions, self.job_id, self.attempt = sessions, job_id, attempt
-        self.artifact_dir, self.total_steps, self.on_status = Path(artifact_dir), total_steps, on_status
+        self.store, self.total_steps, self.on_status = store, total_steps, on_status
         self.retry, self.keep_checkpoint_adapters = retry, keep_checkpoint_adapters
 
     # -- the Reporter protocol --------------------------------------------------------------
@@ -105,13 +106,19 @@ class DBReporter:
     def checkpoint(self, step: int, path: Path, metrics: dict[str, float] | None = None) -> None:
         path = Path(path).resolve()
         try:
-            rel = str(path.relative_to(self.artifact_dir.resolve()))
+            rel = str(path.relative_to(self.store.root))
         except ValueError:  # outside the artifact store: keep it absolute rather than lose it
             rel = str(path)
+        else:  # with a bucket, the checkpoint is there before its row names it
+            try:
+                push_workdir(self.store, self.job_id, rel)
+            except StoreUnavailable as exc:  # the job goes on; only this host can resume it from this step
+                self.event("warn", f"Checkpoint step {step} could not be copied to the artifact bucket ({exc}); "
+                                   "until a later one is, only this host can resume the job from it", {"step": step})
         vals = clean_values(metrics or {})
         row_id, kept = new_id("ftckpt"), None
         if self.keep_checkpoint_adapters:  # packed before the row names it; an orphan at worst
-            kept = pack_checkpoint_adapter(path / "adapter", self.artifact_dir, self.job_id, row_id)
+            kept = pack_checkpoint_adapter(path / "adapter", self.store, self.job_id, row_id)
 
         def write(s: Session) -> None:
             s.add(Checkpoint(id=row_id, job_id=self.job_id, attempt=self.attempt, step=step, path=rel, metrics=vals,
@@ -123,7 +130,7 @@ class DBReporter:
             self._write(write, f"recording the checkpoint of step {step}")
         except BaseException:
             if kept is not None:
-                (self.artifact_dir / kept.path).unlink(missing_ok=True)
+                self.store.delete(kept.path)
             raise
 
     # -- plumbing ---------------------------------------------------------------------------

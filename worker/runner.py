@@ -29,9 +29,9 @@ from engine.types import OOM_ADVICE, GraderUnavailable, TrainError, is_disk_full
 from service import crud, queue
 from service.models import Adapter, Checkpoint, File, Job, new_id
 from service.results import RESULTS_FILENAME, RESULTS_PURPOSE, step_metrics_csv
-from service.storage import ArtifactStore, Corrupt
+from service.storage import ArtifactStore, Corrupt, StoreUnavailable, open_store
 from service.views import base_model_of, fine_tuned_model_name
-from worker.artifacts import job_workdir, pack_adapter
+from worker.artifacts import job_workdir, pack_adapter, pull_workdir
 from worker.lease import LeaseKeeper
 from worker.reporter import DBReporter
 
@@ -57,7 +57,7 @@ def run_next(ctx: WorkerContext) -> str | None:
 
 def execute(ctx: WorkerContext, job: Job) -> str:
     """Run a job this worker has just claimed (``job`` as claim() returned it)."""
-    artifact_dir = Path(ctx.settings.artifact_dir)
+    store = open_store(ctx.settings)
     keeper = LeaseKeeper(ctx.sessions, job.id, job.attempt, ctx.worker_id, lease_seconds=ctx.settings.lease_seconds,
                          interval_seconds=ctx.settings.heartbeat_seconds, parent_pid=ctx.parent_pid)
     keeper.start()
@@ -69,11 +69,11 @@ def execute(ctx: WorkerContext, job: Job) -> str:
     log.info("job %s attempt %d: running on %s", job.id, job.attempt, ctx.worker_id)
     try:
         try:
-            spec, resume_from = keeper.retry(lambda: _prepare(ctx, job, artifact_dir), "reading the job's files")
-            reporter = DBReporter(ctx.sessions, job.id, job.attempt, artifact_dir=artifact_dir, total_steps=spec.steps,
+            spec, resume_from = keeper.retry(lambda: _prepare(ctx, job, store), "reading the job's files")
+            reporter = DBReporter(ctx.sessions, job.id, job.attempt, store=store, total_steps=spec.steps,
                                   retry=keeper.retry, on_status=keeper.saw,
                                   keep_checkpoint_adapters=spec.keep_checkpoint_adapters)
-            result = engine.train(spec, workdir=job_workdir(artifact_dir, job.id), reporter=reporter,
+            result = engine.train(spec, workdir=job_workdir(store.root, job.id), reporter=reporter,
                                   should_stop=should_stop, resume_from=resume_from)
         except queue.LeaseLost:
             return _lease_lost(job)
@@ -84,7 +84,7 @@ def execute(ctx: WorkerContext, job: Job) -> str:
         except Exception as exc:  # noqa: BLE001 - every failure ends the job with a code
             if keeper.lost.is_set():
                 return _lease_lost(job)
-            code, message = _classify(exc, job.id, artifact_dir)
+            code, message = _classify(exc, job.id, store.root)
             return _end(ctx, keeper, job, "failed", error_code=code, error_message=message)
         if keeper.lost.is_set():
             return _lease_lost(job)
@@ -94,13 +94,15 @@ def execute(ctx: WorkerContext, job: Job) -> str:
             reason = ("Worker process lost its parent" if keeper.orphaned.is_set() and not ctx.shutdown.is_set()
                       else "Worker shutting down")
             return _requeue(ctx, keeper, job, reason)
-        return _succeed(ctx, keeper, job, Path(result.adapter_dir), artifact_dir)
+        return _succeed(ctx, keeper, job, Path(result.adapter_dir), store)
     finally:
         keeper.stop()
 
 
-def _prepare(ctx: WorkerContext, job: Job, artifact_dir: Path) -> tuple[TrainSpec, Path | None]:
-    """The spec with worker-local file paths, and where to resume from (None: from step 0)."""
+def _prepare(ctx: WorkerContext, job: Job, store: ArtifactStore) -> tuple[TrainSpec, Path | None]:
+    """The spec with worker-local file paths, and where to resume from (None: from step 0). With an
+    artifact bucket, the files, the parent LoRA and the job's checkpoints come from it when this host
+    lacks them."""
     try:
         spec = TrainSpec.from_dict(job.spec)
     except ValueError as exc:
@@ -109,13 +111,20 @@ def _prepare(ctx: WorkerContext, job: Job, artifact_dir: Path) -> tuple[TrainSpe
         for attr, param in (("train_file", "training_file"), ("validation_file", "validation_file")):
             ref = getattr(job, param) or getattr(spec.data, attr)
             if ref and str(ref).startswith("file-"):
-                setattr(spec.data, attr, str(_file_path(s, ref, param, artifact_dir)))
+                setattr(spec.data, attr, str(_file_path(s, ref, param, store)))
         if spec.init_adapter is not None:
-            spec.init_adapter = str(_unpack_parent(s, job, spec.init_adapter, artifact_dir))
+            spec.init_adapter = str(_unpack_parent(s, job, spec.init_adapter, store))
         resume_from = None
+        if job.attempt > 1:  # ran before, maybe on another host
+            pull_workdir(store, job.id)
         if job.resume_checkpoint_id:
             ckpt = s.get(Checkpoint, job.resume_checkpoint_id)
-            path = artifact_dir / ckpt.path if ckpt is not None else None  # absolute paths stay absolute
+            path = store.root / ckpt.path if ckpt is not None else None  # absolute paths stay absolute
+            if path is not None and not path.is_dir() and not Path(ckpt.path).is_absolute():
+                try:
+                    path = store.local_dir(ckpt.path)
+                except FileNotFoundError:
+                    pass
             if path is not None and path.is_dir():
                 resume_from = path
             else:
@@ -123,11 +132,11 @@ def _prepare(ctx: WorkerContext, job: Job, artifact_dir: Path) -> tuple[TrainSpe
     if resume_from is None and job.attempt > 1:  # died before reporting its newest checkpoint
         from engine.checkpoint import latest_checkpoint  # torch: only once a job runs
 
-        resume_from = latest_checkpoint(job_workdir(artifact_dir, job.id) / "checkpoints")
+        resume_from = latest_checkpoint(job_workdir(store.root, job.id) / "checkpoints")
     return spec, resume_from
 
 
-def _unpack_parent(s: Session, job: Job, rel: str, artifact_dir: Path) -> Path:
+def _unpack_parent(s: Session, job: Job, rel: str, store: ArtifactStore) -> Path:
     """The LoRA the job trains further (a fine-tuned model's or a kept checkpoint's), sha256-checked and unpacked into
     the job's workdir (``init-adapter/``), afresh on every attempt."""
     sha256 = (s.scalar(select(Adapter.sha256).where(Adapter.path == rel))
@@ -135,11 +144,11 @@ def _unpack_parent(s: Session, job: Job, rel: str, artifact_dir: Path) -> Path:
     try:
         if sha256 is None:
             raise FileNotFoundError(rel)
-        archive = ArtifactStore(artifact_dir).verified(rel, sha256)
+        archive = store.verified(rel, sha256)
     except (FileNotFoundError, Corrupt) as exc:
         raise TrainError("model_not_found", f"the fine-tuned model {job.model} that this job trains further is no "
                                             f"longer available ({exc}); create the job from another model") from None
-    dest = job_workdir(artifact_dir, job.id) / "init-adapter"
+    dest = job_workdir(store.root, job.id) / "init-adapter"
     tmp = dest.with_name(f".tmp-init-adapter-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -150,19 +159,29 @@ def _unpack_parent(s: Session, job: Job, rel: str, artifact_dir: Path) -> Path:
     return dest
 
 
-def _file_path(s: Session, file_id: str, param: str, artifact_dir: Path) -> Path:
+def _file_path(s: Session, file_id: str, param: str, store: ArtifactStore) -> Path:
+    """The training (or validation) file on this host, its bytes checked against the sha256 of its upload."""
     f = s.get(File, file_id)
-    path = artifact_dir / f.path if f is not None else None
-    if f is None or f.deleted_at is not None or path is None or not path.is_file():
+    try:
+        if f is None or f.deleted_at is not None:
+            raise FileNotFoundError(file_id)
+        return store.verified(f.path, f.sha256)
+    except (FileNotFoundError, IsADirectoryError):
         raise TrainError("invalid_file", f"{param} {file_id} is no longer available (deleted?); upload it again "
-                                         "and create a new job")
-    return path
+                                         "and create a new job") from None
+    except Corrupt:
+        raise TrainError("invalid_file", f"the stored bytes of {param} {file_id} no longer match the sha256 "
+                                         "recorded at its upload; upload it again and create a new job") from None
 
 
 def _classify(exc: BaseException, job_id: str, artifact_dir: Path) -> tuple[str, str]:
     """(error_code, message) for a failed run: the engine's own code, memory, disk, or internal."""
     if isinstance(exc, TrainError):
         return exc.code, str(exc)
+    if isinstance(exc, StoreUnavailable):
+        return "artifact_store_unavailable", (f"The job's files could not be read from or written to the artifact "
+                                              f"store: {exc}. Check that the bucket is reachable (GET /readyz), "
+                                              "then create the job again.")
     if is_out_of_memory(exc):  # host MemoryError, torch's CPU allocator, torch.cuda.OutOfMemoryError
         return "out_of_memory", OOM_ADVICE
     if is_disk_full(exc):
@@ -204,32 +223,32 @@ def _requeue(ctx: WorkerContext, keeper: LeaseKeeper, job: Job, reason: str, *, 
     return "requeued" if status == "queued" else status
 
 
-def _succeed(ctx: WorkerContext, keeper: LeaseKeeper, job: Job, adapter_dir: Path, artifact_dir: Path) -> str:
+def _succeed(ctx: WorkerContext, keeper: LeaseKeeper, job: Job, adapter_dir: Path, store: ArtifactStore) -> str:
     adapter_id = new_id("adapter")
     try:
-        packed = pack_adapter(adapter_dir, artifact_dir, f"{adapter_id}.tar.gz")
+        packed = pack_adapter(adapter_dir, store, f"{adapter_id}.tar.gz")
     except Exception as exc:  # noqa: BLE001
-        code, message = _classify(exc, job.id, artifact_dir)
+        code, message = _classify(exc, job.id, store.root)
         return _end(ctx, keeper, job, "failed", error_code=code, error_message=message)
     adapter = Adapter(id=adapter_id, project=job.project, job_id=job.id, name=fine_tuned_model_name(job),
                       base_model=base_model_of(job), path=packed.path, bytes=packed.bytes, sha256=packed.sha256,
                       manifest=packed.manifest)
     try:
-        results = _results_file(ctx, keeper, job, artifact_dir)
+        results = _results_file(ctx, keeper, job, store)
     except Exception as exc:  # noqa: BLE001
-        (artifact_dir / packed.path).unlink(missing_ok=True)
+        store.delete(packed.path)
         if isinstance(exc, queue.LeaseLost):
             return _lease_lost(job)
-        code, message = _classify(exc, job.id, artifact_dir)
+        code, message = _classify(exc, job.id, store.root)
         return _end(ctx, keeper, job, "failed", error_code=code, error_message=message)
     final = _end(ctx, keeper, job, "succeeded", adapter=adapter, results=results)
     if final != "succeeded":  # cancelled at the last moment, or lease lost: the files are nobody's
-        (artifact_dir / packed.path).unlink(missing_ok=True)
-        (artifact_dir / results.path).unlink(missing_ok=True)
+        store.delete(packed.path)
+        store.delete(results.path)
     return final
 
 
-def _results_file(ctx: WorkerContext, keeper: LeaseKeeper, job: Job, artifact_dir: Path) -> File:
+def _results_file(ctx: WorkerContext, keeper: LeaseKeeper, job: Job, store: ArtifactStore) -> File:
     """step_metrics.csv in the artifact store, and its File row (not yet added: it goes in with
     the job's success, so a job that does not end succeeded leaves only a file to delete)."""
     def read() -> bytes:
@@ -238,7 +257,11 @@ def _results_file(ctx: WorkerContext, keeper: LeaseKeeper, job: Job, artifact_di
 
     data = keeper.retry(read, "reading the metrics for the results file")
     file_id = new_id("file")
-    blob = ArtifactStore(artifact_dir).stage([data]).publish(f"files/{file_id}.csv")
+    staged = store.stage([data])
+    try:
+        blob = staged.publish(f"files/{file_id}.csv")
+    finally:
+        staged.discard()  # a no-op once published
     return File(id=file_id, project=job.project, filename=RESULTS_FILENAME, purpose=RESULTS_PURPOSE,
                 bytes=blob.bytes, sha256=blob.sha256, path=blob.path, rows=data.count(b"\n") - 1,
                 status="processed")

@@ -151,11 +151,12 @@ _UNSHARE = ["unshare", "--mount", "--net", "--pid", "--fork", "--kill-child", "-
 
 def hidden_dirs() -> list[str]:
     """Directories a grader must not read: the service's artifacts, data, model cache and client
-    config (other projects' files and the API keys live there)."""
+    config (other projects' files and the API keys live there), and the AWS credentials of an
+    artifact bucket."""
     home = Path.home()
     dirs = [os.environ.get("ARTIFACT_DIR"), os.environ.get("QERL_ARTIFACT_DIR"), os.environ.get("QERL_DATA_DIR"),
             os.environ.get("QERL_CACHE_DIR"), str(home / ".qerl"), str(home / ".config" / "qerl"),
-            str(home / ".cache" / "qerl")]
+            str(home / ".cache" / "qerl"), str(home / ".aws")]
     return [str(Path(d).expanduser().resolve()) for d in dirs if d]
 
 

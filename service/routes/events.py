@@ -123,8 +123,9 @@ def checkpoint_content(job_id: str, checkpoint_id: str, key: CurrentKey, session
                        store: StoreDep) -> FileResponse:
     """The LoRA at that checkpoint's step as a PEFT adapter (tar.gz, like GET /v1/adapters/{id}/content):
     from the artifact store where the job keeps its checkpoints' adapters (qerl.keep_checkpoint_adapters),
-    else while the checkpoint is on disk: the newest 2 while the job runs or is paused, all of them for
-    QERL_JOB_FILES_RETENTION_SECONDS after it ends. The same step's archive has the same bytes either way."""
+    else while the checkpoint is on disk (or in the artifact bucket): the newest 2 while the job runs or is
+    paused, all of them for QERL_JOB_FILES_RETENTION_SECONDS after it ends. The same step's archive has the
+    same bytes either way."""
     job = _job(session, key.project, job_id)
     c = _checkpoint(session, job, checkpoint_id)
     name = f"{job.id}-ckpt-step-{c.step}.tar.gz"
@@ -139,14 +140,12 @@ def checkpoint_content(job_id: str, checkpoint_id: str, key: CurrentKey, session
                          "The job's final adapter stays (GET /v1/adapters).", code="checkpoint_not_kept",
                     param="checkpoint_id")
     try:
-        src = store.abspath(c.path) / "adapter"
-    except ValueError:  # recorded outside the artifact store
-        raise gone from None
-    if not (src / "adapter_config.json").is_file():
-        raise gone
-    try:
-        staged = store.pack(src)
-    except FileNotFoundError:  # pruned while it was being packed
+        with store.checkpoint_dir(c.path) as ckpt:
+            src = ckpt / "adapter"
+            if not (src / "adapter_config.json").is_file():
+                raise gone
+            staged = store.pack(src)
+    except (ValueError, FileNotFoundError):  # recorded outside the store; gone, or pruned while being packed
         raise gone from None
     return FileResponse(staged.tmp, media_type="application/gzip", filename=name,
                         headers={"X-Checksum-Sha256": staged.sha256, "ETag": f'"{staged.sha256}"'},

@@ -1,5 +1,5 @@
 """/healthz (the process answers) and /readyz (the database and the broker, or the embedded
-worker thread, answer)."""
+worker thread, answer; and the artifact bucket, when there is one)."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
@@ -49,4 +49,14 @@ async def readyz(request: Request) -> JSONResponse:
             return error_response(503, f"The broker is unreachable ({type(exc).__name__}: {str(exc)[:300]}). "
                                        "Check REDIS_URL and that Redis is running.", code="broker_unavailable")
         broker = "ok"
-    return JSONResponse({"status": "ready", "database": "ok", "broker": broker})
+    body = {"status": "ready", "database": "ok", "broker": broker}
+    store = request.app.state.store
+    if store.remote is not None:
+        try:
+            await run_in_threadpool(store.check)
+        except Exception as exc:
+            return error_response(503, f"The artifact bucket {store.remote.url} is unreachable or refuses these "
+                                       f"credentials ({type(exc).__name__}: {str(exc)[:300]}). Check ARTIFACT_URL, "
+                                       "AWS_ENDPOINT_URL and the AWS credentials.", code="artifact_store_unavailable")
+        body["artifact_store"] = "ok"
+    return JSONResponse(body)
