@@ -99,8 +99,11 @@ def _revision(model_dir: Path) -> str | None:
 
 
 def write_adapter(model: Any, out_dir: Path, *, spec: Any, steps: int, metrics: dict[str, float],
-                  model_dir: Path | None, stopped: bool = False) -> Path:
-    """Save the PEFT adapter and its manifest to ``out_dir`` (replacing an older one)."""
+                  model_dir: Path | None, stopped: bool = False,
+                  prompt_framing: list[dict[str, str]] | None = None) -> Path:
+    """Save the PEFT adapter and its manifest to ``out_dir`` (replacing an older one).
+    ``prompt_framing``: the turns training put before a plain question
+    (engine.data.prompts.training_framing)."""
     from engine.lora import save_peft_adapter
 
     out_dir = Path(out_dir)
@@ -127,6 +130,7 @@ def write_adapter(model: Any, out_dir: Path, *, spec: Any, steps: int, metrics: 
         "steps_planned": spec.steps,
         "stopped_early": stopped,
         "metrics": {k: float(v) for k, v in metrics.items()},
+        "prompt_framing": prompt_framing if prompt_framing is not None else [],
         "files": files,
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))

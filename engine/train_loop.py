@@ -169,6 +169,7 @@ class _Run:
     # -- setup ------------------------------------------------------------------------------
     def _setup(self) -> None:
         from engine.data import load_examples
+        from engine.data.prompts import training_framing
         from engine.lora import adapter_params
         from engine.model import compute_dtype, load_model
         from engine.optim import build_optimizer, build_scheduler
@@ -192,6 +193,7 @@ class _Run:
             raise
         except (ValueError, FileNotFoundError) as exc:
             raise TrainError("invalid_dataset", str(exc)) from None
+        self.prompt_framing = training_framing(spec.data, train_ex)
         try:
             # bf16 values throughout; held in fp32 on a CPU without a bf16 fast path (compute_dtype)
             self.model, self.tokenizer = load_model(spec.model, quantization=spec.quantization, lora=spec.lora,
@@ -575,7 +577,8 @@ class _Run:
         from engine.manifest import write_adapter
 
         return write_adapter(self.model, out_dir or self.workdir / "adapter", spec=self.spec, steps=self.step,
-                             metrics=self._final_metrics(), model_dir=self.model_dir, stopped=stopped)
+                             metrics=self._final_metrics(), model_dir=self.model_dir, stopped=stopped,
+                             prompt_framing=self.prompt_framing)
 
 
 def _dtype_note(model: Any) -> str:

@@ -51,8 +51,9 @@ def _fetch(ref: str, base_url: str | None, api_key: str | None) -> Path:
     return target
 
 
-def _adapter_facts(adapter: Path) -> tuple[str, str]:
-    """(base model, quantization) the adapter was trained on, from its manifest (or PEFT's config)."""
+def _adapter_facts(adapter: Path) -> tuple[str, str, list[dict[str, str]]]:
+    """(base model, quantization, prompt framing) the adapter was trained with, from its manifest
+    (or PEFT's config: no framing known)."""
     if not (adapter / "adapter_config.json").is_file():
         raise typer.BadParameter(f"{adapter} is not a PEFT adapter directory (no adapter_config.json); "
                                  "`qerl adapters download ID -o DIR` extracts one", param_hint="ADAPTER")
@@ -61,16 +62,23 @@ def _adapter_facts(adapter: Path) -> tuple[str, str]:
         manifest = json.loads(manifest_path.read_text())
         base = manifest.get("base_model") or {}
         name = base.get("name") if isinstance(base, dict) else base
-        return str(name or ""), str(manifest.get("quantization") or "bf16")
+        framing = manifest.get("prompt_framing")
+        framing = [m for m in framing if isinstance(m, dict)] if isinstance(framing, list) else []
+        return str(name or ""), str(manifest.get("quantization") or "bf16"), framing
     config = json.loads((adapter / "adapter_config.json").read_text())
-    return str(config.get("base_model_name_or_path") or ""), "bf16"
+    return str(config.get("base_model_name_or_path") or ""), "bf16", []
 
 
-def _prompts(prompt: list[str], prompts_file: Path | None, system: str | None) -> list[list[dict[str, str]]]:
+def _prompts(prompt: list[str], prompts_file: Path | None, system: str | None,
+             framing: list[dict[str, str]]) -> list[list[dict[str, str]]]:
     """Chat messages per prompt: each --prompt a user turn, each line of --prompts-file a JSON object
-    with ``messages`` (OpenAI's chat format) or ``prompt`` (a user turn)."""
+    with ``messages`` (OpenAI's chat format, sent as given) or ``prompt`` (a user turn). A plain
+    prompt comes after ``framing`` (the turns training put before its questions), whose system
+    turn ``system`` replaces; ``messages`` get ``system`` only."""
     head = [{"role": "system", "content": system}] if system else []
-    out = [[*head, {"role": "user", "content": p}] for p in prompt]
+    rest = [m for m in framing if m.get("role") != "system"]
+    plain = [*(head or [m for m in framing if m.get("role") == "system"]), *rest]
+    out = [[*plain, {"role": "user", "content": p}] for p in prompt]
     if prompts_file is not None:
         for n, line in enumerate(prompts_file.read_text().splitlines(), 1):
             if not line.strip():
@@ -84,7 +92,7 @@ def _prompts(prompt: list[str], prompts_file: Path | None, system: str | None) -
                 out.append([*head, *row["messages"]] if head and row["messages"][0].get("role") != "system"
                            else row["messages"])
             elif isinstance(row, dict) and isinstance(row.get("prompt"), str):
-                out.append([*head, {"role": "user", "content": row["prompt"]}])
+                out.append([*plain, {"role": "user", "content": row["prompt"]}])
             else:
                 raise typer.BadParameter(f"{prompts_file} line {n}: give {{\"messages\": [...]}} or "
                                          "{\"prompt\": \"...\"}", param_hint="--prompts-file")
@@ -101,7 +109,11 @@ def generate_cmd(
     prompt: Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="a user message (repeatable)")] = None,
     prompts_file: Annotated[Optional[Path], typer.Option(
         help="JSON lines: {\"messages\": [...]} or {\"prompt\": \"...\"}", exists=True, dir_okay=False)] = None,
-    system: Annotated[Optional[str], typer.Option(help="a system message before each prompt")] = None,
+    system: Annotated[Optional[str], typer.Option(
+        help="a system message before each prompt (in place of the one training used)")] = None,
+    framing: Annotated[bool, typer.Option(
+        help="ask plain prompts as training asked its questions: after its format instruction and "
+        "worked example, from the adapter's manifest (--no-framing: as given)")] = True,
     base: Annotated[Optional[str], typer.Option(help="the base model (default: the adapter's manifest)")] = None,
     quantization: Annotated[Optional[str], typer.Option(
         help="nvfp4 | nf4 | bf16 (default: what the adapter trained on)")] = None,
@@ -128,11 +140,13 @@ def generate_cmd(
     from engine.train_loop import pick_device
     from engine.types import TrainError
 
-    chats = _prompts(prompt or [], prompts_file, system)
+    if not prompt and prompts_file is None:
+        raise typer.BadParameter("give at least one --prompt TEXT or a --prompts-file", param_hint="--prompt")
     adapter = Path(adapter_ref)
     if not adapter.exists() and adapter_ref.startswith(SERVER_REFS):
         adapter = _fetch(adapter_ref, base_url, api_key)
-    trained_base, trained_format = _adapter_facts(adapter)
+    trained_base, trained_format, trained_framing = _adapter_facts(adapter)
+    chats = _prompts(prompt or [], prompts_file, system, trained_framing if framing else [])
     base_model = base or trained_base
     if not base_model:
         raise typer.BadParameter(f"{adapter} does not name its base model; give --base", param_hint="--base")
@@ -186,6 +200,11 @@ def generate_cmd(
             console.print(escape(row["base_completion"]))
     if not as_json:
         console.print(f"[dim]{escape(base_model)} ({fmt}) with the adapter in {adapter}, on {dev}[/]")
+        if framing and trained_framing:
+            shots = sum(m.get("role") == "assistant" for m in trained_framing)
+            console.print(f"[dim]plain prompts asked as in training: after its "
+                          f"{'system turn and ' if any(m.get('role') == 'system' for m in trained_framing) else ''}"
+                          f"{shots} worked example{'s' if shots != 1 else ''} (--no-framing: as given)[/]")
 
 
 def register(app: typer.Typer) -> None:

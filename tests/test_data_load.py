@@ -10,7 +10,7 @@ from engine.data import Example, load_examples, split_eval
 from engine.data.builtin import check_dataset
 from engine.data.demo import DEMO_SPEC
 from engine.data.jsonl import validate_jsonl
-from engine.data.prompts import SYSTEM_PROMPT
+from engine.data.prompts import SYSTEM_PROMPT, training_framing
 from engine.rewards import build_grader
 from engine.spec import DataSpec, TrainSpec
 from engine.types import TrainError
@@ -82,6 +82,30 @@ def test_prompt_rows_get_format_instruction_and_one_shot(tmp_path):
     assert chat.messages == [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Capital of France?"}]
     bare, _ = load_examples(DataSpec(train_file=str(path), eval_size=0, system_prompt="", one_shot=False), seed=3)
     assert all(len(ex.messages) == 1 for ex in bare if "prompt" in ex.item)
+
+
+def test_the_framing_recorded_for_generate_is_what_training_put_before_a_plain_question(tmp_path):
+    """training_framing (the adapter manifest's prompt_framing, which `qerl generate` puts before
+    a plain prompt) is the turns each trained prompt row or built-in question came after."""
+    for spec in (DataSpec(dataset=PRODUCTS, eval_size=4), DataSpec(dataset=PRODUCTS, eval_size=4, one_shot=False),
+                 DataSpec(dataset=PRODUCTS, eval_size=4, system_prompt="Answer in <answer> tags.")):
+        train, evals = load_examples(spec, seed=5)
+        framing = training_framing(spec, train)
+        assert all(ex.messages[:-1] == framing for ex in train + evals)
+        assert len(framing) == (3 if spec.one_shot else 1) and framing[0]["role"] == "system"
+    rows = tmp_path / "rows.jsonl"
+    rows.write_bytes(_jsonl({"messages": [{"role": "user", "content": "Hi?"}], "answer": "hi"},
+                            {"prompt": "What is 3 + 3?", "answer": "6"}, {"prompt": "What is 4 + 4?", "answer": "8"}))
+    spec = DataSpec(train_file=str(rows), eval_size=0)
+    train, _ = load_examples(spec, seed=0)
+    framing = training_framing(spec, train)
+    assert [ex.messages[:-1] for ex in train if "prompt" in ex.item] == [framing, framing]
+    chats = tmp_path / "chats.jsonl"  # only conversations of the user's own: nothing was put before them
+    chats.write_bytes(_jsonl(*({"messages": [{"role": "user", "content": f"{i}?"}], "answer": str(i)} for i in range(3))))
+    for system, want in ((None, []), ("Be terse.", [{"role": "system", "content": "Be terse."}])):
+        spec = DataSpec(train_file=str(chats), eval_size=0, system_prompt=system)
+        train, _ = load_examples(spec, seed=0)
+        assert training_framing(spec, train) == want == train[0].messages[:-1]
 
 
 def test_bad_files_raise_train_errors_with_line_numbers(tmp_path):

@@ -47,3 +47,16 @@ def row_messages(row: dict[str, Any], *, system_prompt: str | None, one_shot: bo
     if system_prompt and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})
     return messages
+
+
+def training_framing(spec: Any, train: list[Any]) -> list[Message]:
+    """The turns training put before a plain question (a built-in task's question, a JSONL row's
+    ``prompt``): the format instruction and the worked example, as the adapter learned to answer
+    after them. Recorded in the adapter's manifest (``prompt_framing``) so that ``qerl generate``
+    asks a plain prompt the way training did. Rows of ``messages`` got nothing of the kind but an
+    explicit ``data.system_prompt``, so a file of only such rows gives at most that."""
+    if spec.dataset is not None and train:
+        return [dict(m) for m in train[0].messages[:-1]]
+    if any("prompt" in ex.item for ex in train):
+        return build_messages("", system_prompt=spec.system_prompt, shot=GENERIC_SHOT if spec.one_shot else None)[:-1]
+    return [{"role": "system", "content": spec.system_prompt}] if spec.system_prompt else []
