@@ -123,8 +123,8 @@ def test_an_upload_that_fails_leaves_nothing(s3_server, monkeypatch, tmp_path):
     assert not (tmp_path / "files" / "file-x.jsonl").exists() and not list((tmp_path / "tmp").iterdir())
 
 
-def _step_dir(store: ArtifactStore, step: int, sub: str = "checkpoints") -> str:
-    rel = f"jobs/{JOB}/{sub}/step-{step:06d}"
+def _step_dir(store: ArtifactStore, step: int, sub: str = "checkpoints", job: str = JOB) -> str:
+    rel = f"jobs/{job}/{sub}/step-{step:06d}"
     d = store.root / rel
     (d / "adapter").mkdir(parents=True)
     (d / "adapter" / "adapter_model.safetensors").write_bytes(os.urandom(4096 + step))
@@ -180,6 +180,33 @@ def test_finished_jobs_leave_the_bucket_after_their_retention(bucket, tmp_path, 
         remove_finished_workdirs(s, a, retention_s=3600)
         assert keys(bucket) == [f"jobs/{running}/checkpoints/step-000001.tar"]
         s.execute(Job.__table__.update().where(Job.id == running).values(status="cancelled"))
+        s.commit()
+
+
+def test_a_fenced_out_attempt_does_not_touch_the_buckets_checkpoints(bucket, tmp_path, pg_sessions):
+    """A worker whose job was reaped and claimed again (attempt 2) reports a checkpoint: it raises
+    LeaseLost before uploading anything or pruning the new attempt's copies."""
+    from service import queue
+    from worker.reporter import DBReporter
+
+    a = host(tmp_path / "a", bucket)
+    with pg_sessions() as s:
+        job_id = make_job(s, tiny_spec("tiny")).id
+        first = queue.claim(s, job_id, "host-a", lease_seconds=60).attempt
+    report = DBReporter(pg_sessions, job_id, first, store=a, total_steps=8, retry=lambda write, what: write())
+    report.checkpoint(2, a.root / _step_dir(a, 2, job=job_id))
+    assert keys(bucket) == [f"jobs/{job_id}/checkpoints/step-000002.tar"]
+    with pg_sessions() as s:  # host a's lease ends; attempt 2 takes the job
+        s.execute(Job.__table__.update().where(Job.id == job_id).values(status="queued", lease_owner=None))
+        s.commit()
+        second = queue.claim(s, job_id, "host-b", lease_seconds=60).attempt
+    assert second == first + 1
+    shutil.rmtree(a.root / f"jobs/{job_id}/checkpoints/step-000002")  # pruned on host a
+    with pytest.raises(queue.LeaseLost):
+        report.checkpoint(4, a.root / _step_dir(a, 4, job=job_id))
+    assert keys(bucket) == [f"jobs/{job_id}/checkpoints/step-000002.tar"]  # nothing uploaded, nothing dropped
+    with pg_sessions() as s:
+        queue.finish(s, job_id, second, "cancelled")
         s.commit()
 
 

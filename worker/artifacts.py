@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session
 
 from service.models import Job, utcnow
 from service.queue import TERMINAL
-from service.storage import ArtifactStore, checkpoint_adapters_dir, open_store
+from service.storage import ArtifactStore, StoreUnavailable, checkpoint_adapters_dir, open_store
 
 log = logging.getLogger(__name__)
 REMOVING = ".removing"  # suffix of a workdir being deleted (a dot name: never a job id)
@@ -61,8 +61,11 @@ def remove_finished_workdirs(session: Session, store: ArtifactStore, *, retentio
     job's pushed checkpoints there go too. Returns the job ids whose workdir this host removed."""
     root = store.root / "jobs"
     if store.remote is not None:
-        for job_id in _ended(session, store.remote.names("jobs"), retention_s):
-            store.remote.delete_prefix(f"jobs/{job_id}")
+        try:
+            for job_id in _ended(session, store.remote.names("jobs"), retention_s):
+                store.remote.delete_prefix(f"jobs/{job_id}")
+        except StoreUnavailable as exc:  # the next pass tries again; this host's own workdirs go meanwhile
+            log.warning("finished jobs' checkpoints stay in the artifact bucket for now: %s", exc)
     try:
         entries = list(os.scandir(root))
     except FileNotFoundError:

@@ -110,6 +110,8 @@ class DBReporter:
         except ValueError:  # outside the artifact store: keep it absolute rather than lose it
             rel = str(path)
         else:  # with a bucket, the checkpoint is there before its row names it
+            if self.store.remote is not None:  # a fenced-out attempt must not touch the new one's copies
+                self._write(lambda s: None, f"checking the lease before copying checkpoint step {step}")
             try:
                 push_workdir(self.store, self.job_id, rel)
             except StoreUnavailable as exc:  # the job goes on; only this host can resume it from this step
