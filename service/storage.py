@@ -183,12 +183,23 @@ class ArtifactStore:
         fetched again (the bucket is the truth)."""
         path = self.abspath(rel)
         try:
-            return self._verified_here(rel, sha256, path)
+            self._verified_here(rel, sha256, path)
         except (FileNotFoundError, Corrupt):
             if self.remote is None:
                 raise
-        self._fetch(rel, path)
-        return self._verified_here(rel, sha256, path)
+            self._fetch(rel, path)
+            self._verified_here(rel, sha256, path)
+        if self.remote is not None:
+            self._used(path, sha256)
+        return path
+
+    def _used(self, path: Path, sha256: str) -> None:
+        """A cached copy just read counts as fresh for sweep_cache (its mtime is "last used"), so a
+        copy about to be served is not swept; touched at most every quarter of the cache period."""
+        st = path.stat()
+        if time.time() - st.st_mtime > self.cache_seconds / 4:
+            os.utime(path)
+            self._verified[path] = (st.st_size, path.stat().st_mtime_ns, sha256)  # the same bytes
 
     def _fetch(self, rel: str, path: Path) -> None:
         if time.monotonic() >= self._next_sweep:  # fetches are what grow the cache: they keep it swept
@@ -317,9 +328,9 @@ class ArtifactStore:
             self.remote.delete(f"{rel}.tar")
 
     def sweep_cache(self, older_than_s: float) -> int:
-        """With a bucket, this host's copies of files, adapters and kept checkpoint LoRAs that were
-        written or fetched more than ``older_than_s`` ago go (the bucket keeps them; a later read
-        fetches them again). Returns how many; 0 without a bucket, where this disk is the store."""
+        """With a bucket, this host's copies of files, adapters and kept checkpoint LoRAs not written,
+        fetched or read for ``older_than_s`` go (the bucket keeps them; a later read fetches them
+        again). Returns how many; 0 without a bucket, where this disk is the store."""
         if self.remote is None:
             return 0
         cutoff, removed = time.time() - older_than_s, 0

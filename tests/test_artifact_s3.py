@@ -109,6 +109,13 @@ def test_hosts_read_each_others_artifacts_checked_against_the_recorded_sha256(bu
     old = time.time() - 7200  # b's cached copy outlives the object: swept once old enough
     os.utime(path, (old, old))
     assert b.sweep_cache(3600) == 1 and not path.exists()
+    kept = a.stage([b"kept\n"]).publish("files/kept.jsonl")  # a copy read again counts as fresh
+    cached = host(tmp_path / "e", bucket)
+    cached.cache_seconds = 3600.0
+    copy = cached.verified(kept.path, kept.sha256)
+    os.utime(copy, (old, old))
+    assert cached.verified(kept.path, kept.sha256) == copy and copy.stat().st_mtime > old + 3600
+    assert cached.sweep_cache(3600) == 0 and copy.read_bytes() == b"kept\n"
     assert ArtifactStore(tmp_path / "b").sweep_cache(0) == 0  # without a bucket the disk is the store: kept
 
 
