@@ -355,7 +355,10 @@ class ArtifactStore:
             return 0
         cutoff, removed = time.time() - older_than_s, 0
         for path in self.tmp_dir.iterdir():
-            if path.stat().st_mtime >= cutoff:
+            try:
+                if path.stat().st_mtime >= cutoff:
+                    continue
+            except FileNotFoundError:  # its writer finished with it meanwhile
                 continue
             if path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)

@@ -168,6 +168,14 @@ def test_a_jobs_checkpoints_follow_it_into_the_bucket_and_to_another_host(bucket
     assert not d.exists() and not (api_host.root / "jobs").exists()
     with pytest.raises(FileNotFoundError), api_host.checkpoint_dir(rel2):
         pass
+    left = api_host.tmp_dir / "1-cut-short.d" / "adapter"  # a reader's temporary copy that a crash left behind
+    left.mkdir(parents=True)
+    (left / "x").write_bytes(b"x")
+    fresh = api_host.stage([b"being written"])
+    old = time.time() - 7200
+    os.utime(left.parent, (old, old))
+    assert api_host.sweep_tmp() == 1 and not left.parent.exists() and fresh.tmp.exists()
+    fresh.discard()
 
 
 def test_finished_jobs_leave_the_bucket_after_their_retention(bucket, tmp_path, pg_sessions):
