@@ -1,7 +1,8 @@
 """`qerl generate ADAPTER`: try a trained adapter on this machine, beside the base model without it.
 
 The adapter directory is what `qerl adapters download` extracts (or `qerl train` writes; a job id,
-adapter id or ``ft:`` model name is downloaded from the server first): PEFT's files and
+adapter id or ``ft:`` model name is downloaded from the server first, or with ``--checkpoint`` or a
+checkpoint's ``ft:...:ckpt-step-N`` name the LoRA of that checkpoint): PEFT's files and
 `qerl_manifest.json`, which names the base model and the format its weights were held in
 while the adapter trained (the same format is used here, so the answers are the trained policy's).
 The prompts are chat messages (the base's chat template applied, as in training); sampling is
@@ -10,6 +11,8 @@ greedy unless a temperature is given.
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -23,31 +26,54 @@ console = Console(emoji=False)
 
 
 SERVER_REFS = ("ftjob-", "adapter-", "ft:")
+_CHECKPOINT_NAME = re.compile(r"^(ft:.+):ckpt-step-(\d+)$")  # a checkpoint's fine_tuned_model_checkpoint
 
 
-def _fetch(ref: str, base_url: str | None, api_key: str | None) -> Path:
-    """A succeeded job's adapter, an adapter id's or a fine-tuned model's, from the server, into
-    ``$QERL_CACHE_DIR/adapters/<adapter id>`` (sha256-checked, extracted beside it and renamed
-    into place; kept for the next time)."""
+def _fetch(ref: str, checkpoint: int | None, base_url: str | None, api_key: str | None) -> Path:
+    """A succeeded job's adapter, an adapter id's or a fine-tuned model's, or (``checkpoint``, or a
+    ``ft:...:ckpt-step-N`` name) the LoRA of one of its job's checkpoints, from the server, into
+    ``$QERL_CACHE_DIR/adapters/<adapter or checkpoint id>`` (sha256-checked, extracted beside it and
+    renamed into place; kept for the next time)."""
+    from qerl.cli_client import _checkpoint_at
+    from qerl.client import Client
+
+    named = _CHECKPOINT_NAME.match(ref)
+    if named:
+        if checkpoint is not None and checkpoint != int(named.group(2)):
+            raise typer.BadParameter(f"{ref} names step {named.group(2)}; leave out --checkpoint {checkpoint}",
+                                     param_hint="--checkpoint")
+        ref, checkpoint = named.group(1), int(named.group(2))
+    with Client(base_url=base_url, api_key=api_key) as client:
+        if checkpoint is None:
+            adapter_id = client.adapter_id_of(ref)
+            return _cached(adapter_id, lambda part: client.download_adapter(adapter_id, part))
+        job_id = ref if ref.startswith("ftjob-") else next(
+            (a["job_id"] for a in client.adapters() if a["id"] == client.adapter_id_of(ref)), None)
+        if not job_id:
+            raise typer.BadParameter(f"{ref} names no job whose checkpoints to look in", param_hint="ADAPTER")
+        c = _checkpoint_at(client, job_id, checkpoint)
+        return _cached(c["id"], lambda part: client.download_checkpoint(job_id, c["id"], part))
+
+
+def _cached(name: str, download: Callable[[Path], Any]) -> Path:
+    """``$QERL_CACHE_DIR/adapters/<name>``, downloaded (into a temporary name, renamed into place)
+    when it is not there yet."""
     import os
     import shutil
 
     from engine.model.gguf import cache_root
-    from qerl.client import Client
 
-    with Client(base_url=base_url, api_key=api_key) as client:
-        adapter_id = client.adapter_id_of(ref)
-        target = cache_root() / "adapters" / adapter_id
-        if not (target / "adapter_config.json").is_file():
-            part = target.with_name(f".{adapter_id}.{os.getpid()}.part")
+    target = cache_root() / "adapters" / name
+    if not (target / "adapter_config.json").is_file():
+        part = target.with_name(f".{name}.{os.getpid()}.part")
+        shutil.rmtree(part, ignore_errors=True)
+        console.print(f"[dim]downloading {name} to {target}[/]")
+        try:
+            download(part)
+            if not target.exists():
+                part.rename(target)
+        finally:
             shutil.rmtree(part, ignore_errors=True)
-            console.print(f"[dim]downloading {adapter_id} to {target}[/]")
-            try:
-                client.download_adapter(adapter_id, part)
-                if not target.exists():
-                    part.rename(target)
-            finally:
-                shutil.rmtree(part, ignore_errors=True)
     return target
 
 
@@ -121,6 +147,9 @@ def generate_cmd(
     temperature: Annotated[float, typer.Option(min=0.0, max=100.0, help="0: greedy")] = 0.0,
     top_p: Annotated[float, typer.Option(min=0.0, max=1.0)] = 1.0,
     seed: Annotated[int, typer.Option(help="sampling seed (temperature > 0)")] = 0,
+    checkpoint: Annotated[Optional[int], typer.Option(
+        help="from the server: the LoRA at this checkpoint step of the job (or of the job that made the "
+        "fine-tuned model) instead of its final adapter; a checkpoint's name ft:...:ckpt-step-N says the same")] = None,
     compare: Annotated[bool, typer.Option(help="also answer with the base model alone")] = True,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="JSON lines, one per prompt")] = False,
@@ -144,7 +173,10 @@ def generate_cmd(
         raise typer.BadParameter("give at least one --prompt TEXT or a --prompts-file", param_hint="--prompt")
     adapter = Path(adapter_ref)
     if not adapter.exists() and adapter_ref.startswith(SERVER_REFS):
-        adapter = _fetch(adapter_ref, base_url, api_key)
+        adapter = _fetch(adapter_ref, checkpoint, base_url, api_key)
+    elif checkpoint is not None:
+        raise typer.BadParameter("--checkpoint picks a checkpoint of a job on the server: give a job id, adapter id "
+                                 "or ft: name (a directory is one adapter already)", param_hint="--checkpoint")
     trained_base, trained_format, trained_framing = _adapter_facts(adapter)
     chats = _prompts(prompt or [], prompts_file, system, trained_framing if framing else [])
     base_model = base or trained_base

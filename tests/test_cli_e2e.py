@@ -442,6 +442,24 @@ def test_a_checkpoints_lora_downloads_as_a_peft_adapter_while_it_is_kept(qerl_se
     assert hashlib.sha256(a.content).hexdigest() == a.headers["x-checksum-sha256"] == b.headers["x-checksum-sha256"]
     assert httpx.get(url.replace(ckpts[0]["id"], "ftckpt-nope"), headers=qerl_server.headers).status_code == 404
 
+    # `qerl generate` on a checkpoint's LoRA: by the checkpoint's name, or the job and --checkpoint
+    args = ("--prompt", "Write sentence number 3.", "--max-new-tokens", "6", "--json", "--device", "cpu",
+            "--no-compare")
+    [two] = [c for c in ckpts if c["step_number"] == 2]
+    by_name = qerl_server.qerl("generate", two["fine_tuned_model_checkpoint"], *args, timeout=300)
+    assert by_name.returncode == 0, by_name.stderr
+    cached = Path(qerl_server.env["QERL_CACHE_DIR"]) / "adapters" / two["id"]
+    assert json.loads((cached / "qerl_manifest.json").read_text())["steps"] == 2  # step 2's LoRA, not the final one
+    assert (cached / "adapter_model.safetensors").read_bytes() == (tmp_path / "2" / "adapter_model.safetensors").read_bytes()
+    by_step = qerl_server.qerl("generate", job_id, "--checkpoint", "2", *args, timeout=300)
+    assert by_step.returncode == 0 and "downloading" not in by_step.stdout + by_step.stderr, by_step.stderr
+    rows = [[json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")] for r in (by_name, by_step)]
+    assert rows[0] == rows[1] and len(rows[0]) == 1
+    none_there = qerl_server.qerl("generate", job_id, "--checkpoint", "9", *args)
+    assert none_there.returncode == 1 and "no checkpoint at step 9" in none_there.stderr, none_there.stderr
+    clash = qerl_server.qerl("generate", two["fine_tuned_model_checkpoint"], "--checkpoint", "3", *args)
+    assert clash.returncode == 2 and "names step 2" in clash.stderr + clash.stdout
+
 
 def test_samples_show_what_the_model_wrote_at_a_step(cli_job: CliJob, qerl_server: Served) -> None:
     api = httpx.get(f"{qerl_server.url}/v1/fine_tuning/jobs/{cli_job.job_id}/samples", params={"step": 1},

@@ -121,6 +121,8 @@ def test_generate_refuses_bad_input_naming_the_fix(random_adapter, tmp_path):
     assert not_an_adapter.exit_code == 2 and "adapter_config.json" in not_an_adapter.output
     no_prompt = runner.invoke(app, ["generate", str(adapter)])
     assert no_prompt.exit_code == 2 and "--prompt" in no_prompt.output
+    a_dir = runner.invoke(app, ["generate", str(adapter), "--prompt", "hi", "--checkpoint", "2"])
+    assert a_dir.exit_code == 2 and "--checkpoint picks a checkpoint of a job on" in a_dir.output
     bad_format = runner.invoke(app, ["generate", str(adapter), "--prompt", "hi", "--quantization", "int8"])
     assert bad_format.exit_code == 2 and "nvfp4, nf4, bf16" in bad_format.output
     lines = tmp_path / "prompts.jsonl"
