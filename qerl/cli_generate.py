@@ -47,8 +47,11 @@ def _fetch(ref: str, checkpoint: int | None, base_url: str | None, api_key: str 
         if checkpoint is None:
             adapter_id = client.adapter_id_of(ref)
             return _cached(adapter_id, lambda part: client.download_adapter(adapter_id, part))
-        job_id = ref if ref.startswith("ftjob-") else next(
-            (a["job_id"] for a in client.adapters() if a["id"] == client.adapter_id_of(ref)), None)
+        if ref.startswith("ftjob-"):
+            job_id = ref
+        else:
+            adapter_id = client.adapter_id_of(ref)
+            job_id = next((a["job_id"] for a in client.adapters() if a["id"] == adapter_id), None)
         if not job_id:
             raise typer.BadParameter(f"{ref} names no job whose checkpoints to look in", param_hint="ADAPTER")
         c = _checkpoint_at(client, job_id, checkpoint)
