@@ -30,7 +30,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol
 
 log = logging.getLogger(__name__)
 CHUNK = 1024 * 1024
@@ -86,6 +86,12 @@ class Staged:
 def checkpoint_adapters_dir(job_id: str) -> str:
     """Where a job's kept checkpoint LoRAs lie (qerl.keep_checkpoint_adapters), relative to the store."""
     return f"checkpoints/{job_id}"
+
+
+def _add_tree(tar: Any, src: Path) -> None:
+    """The files under ``src`` into ``tar``, sorted, named relative to it (the same files: the same archive)."""
+    for f in sorted(p for p in Path(src).rglob("*") if p.is_file()):
+        tar.add(f, arcname=str(f.relative_to(src)))
 
 
 def iter_chunks(fh: BinaryIO, size: int = CHUNK) -> Iterator[bytes]:
@@ -162,8 +168,7 @@ class ArtifactStore:
             with open(tmp, "wb") as raw:
                 with gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0, compresslevel=0) as gz:  # same files: same bytes
                     with tarfile.open(fileobj=gz, mode="w") as tar:
-                        for f in sorted(p for p in src.rglob("*") if p.is_file()):
-                            tar.add(f, arcname=str(f.relative_to(src)))
+                        _add_tree(tar, src)
                 raw.flush()
                 os.fsync(raw.fileno())
             digest = hashlib.sha256()
@@ -260,8 +265,7 @@ class ArtifactStore:
         tmp = self._tmp_path()
         try:
             with tarfile.open(tmp, "w") as tar:
-                for f in sorted(p for p in src.rglob("*") if p.is_file()):
-                    tar.add(f, arcname=str(f.relative_to(src)))
+                _add_tree(tar, src)
             self.remote.upload(tmp, f"{rel}.tar")
         finally:
             tmp.unlink(missing_ok=True)
@@ -269,10 +273,8 @@ class ArtifactStore:
     def local_dir(self, rel: str) -> Path:
         """The directory ``rel`` on this host: as it is, or (with a bucket) extracted from ``rel.tar``
         into a temporary name and renamed into place. FileNotFoundError where neither has it."""
-        path = self.abspath(rel)
-        if path.is_dir() or self.remote is None:
-            if not path.is_dir():
-                raise FileNotFoundError(rel)
+        path = self._dir_here(rel)
+        if path.is_dir():
             return path
         unpacked = path.with_name(f".{path.name}.{secrets.token_hex(4)}.part")
         try:
@@ -291,10 +293,8 @@ class ArtifactStore:
         """A job's checkpoint directory to read: where this host holds it, else (with a bucket)
         extracted from its pushed tar into a temporary directory, removed afterwards.
         FileNotFoundError where neither has it; ValueError for a path outside the store."""
-        path = self.abspath(rel)
-        if path.is_dir() or self.remote is None:
-            if not path.is_dir():
-                raise FileNotFoundError(rel)
+        path = self._dir_here(rel)
+        if path.is_dir():
             yield path
             return
         tmp = self._tmp_path().with_suffix(".d")
@@ -303,6 +303,14 @@ class ArtifactStore:
             yield tmp
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+    def _dir_here(self, rel: str) -> Path:
+        """Where the directory ``rel`` is or would be on this host; FileNotFoundError where it is
+        not here and there is no bucket to bring it from."""
+        path = self.abspath(rel)
+        if self.remote is None and not path.is_dir():
+            raise FileNotFoundError(rel)
+        return path
 
     def _extract(self, rel: str, dest: Path) -> None:
         """``rel.tar`` from the bucket, extracted into ``dest`` (FileNotFoundError without such an object)."""

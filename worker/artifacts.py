@@ -19,7 +19,9 @@ import re
 import shutil
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import lru_cache
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from sqlalchemy import func, select
@@ -35,6 +37,18 @@ REMOVING = ".removing"  # suffix of a workdir being deleted (a dot name: never a
 REQUIRED_ADAPTER_FILES = ("adapter_config.json", "qerl_manifest.json")
 SYNCED = ("checkpoints", "best-adapters")  # the workdir's folders a job resumes from, on any host
 _STEP_DIR = re.compile(r"^step-\d{6,}$")  # engine.checkpoint's names (dot names are its temporaries)
+
+
+def worker_store(settings: Any) -> ArtifactStore:
+    """This process's artifact store, made once per setting (with a bucket, its client too): the
+    runner's jobs and the periodic cleanup share it."""
+    return _store_of(Path(settings.artifact_dir), settings.artifact_url, settings.artifact_cache_seconds)
+
+
+@lru_cache(maxsize=8)
+def _store_of(artifact_dir: Path, artifact_url: str | None, cache_seconds: float) -> ArtifactStore:
+    return open_store(SimpleNamespace(artifact_dir=artifact_dir, artifact_url=artifact_url,
+                                      artifact_cache_seconds=cache_seconds))
 
 
 def job_workdir(artifact_dir: Path, job_id: str) -> Path:
@@ -157,5 +171,5 @@ def cleanup(session: Session, settings: Any) -> None:
     workdirs past their retention, and webhook events past theirs."""
     from worker import webhooks
 
-    remove_finished_workdirs(session, open_store(settings), retention_s=settings.job_files_retention_seconds)
+    remove_finished_workdirs(session, worker_store(settings), retention_s=settings.job_files_retention_seconds)
     webhooks.prune(session)

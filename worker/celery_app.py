@@ -34,9 +34,9 @@ if not settings.redis_url:
     raise RuntimeError("the Celery worker needs REDIS_URL (e.g. redis://localhost:6379/0); without a broker, "
                        "`qerl serve` runs jobs in its embedded worker")
 if settings.artifact_url:  # fail at start, not at the first job, when the bucket's client cannot be made
-    from service.storage import open_store
+    from worker.artifacts import worker_store
 
-    open_store(settings)
+    worker_store(settings)
 
 app = Celery("qerl", broker=settings.redis_url, set_as_current=True)
 app.conf.update(

@@ -29,9 +29,9 @@ from engine.types import OOM_ADVICE, GraderUnavailable, TrainError, is_disk_full
 from service import crud, queue
 from service.models import Adapter, Checkpoint, File, Job, new_id
 from service.results import RESULTS_FILENAME, RESULTS_PURPOSE, step_metrics_csv
-from service.storage import ArtifactStore, Corrupt, StoreUnavailable, open_store
+from service.storage import ArtifactStore, Corrupt, StoreUnavailable
 from service.views import base_model_of, fine_tuned_model_name
-from worker.artifacts import job_workdir, pack_adapter, pull_workdir
+from worker.artifacts import job_workdir, pack_adapter, pull_workdir, worker_store
 from worker.lease import LeaseKeeper
 from worker.reporter import DBReporter
 
@@ -57,7 +57,7 @@ def run_next(ctx: WorkerContext) -> str | None:
 
 def execute(ctx: WorkerContext, job: Job) -> str:
     """Run a job this worker has just claimed (``job`` as claim() returned it)."""
-    store = open_store(ctx.settings)
+    store = worker_store(ctx.settings)
     keeper = LeaseKeeper(ctx.sessions, job.id, job.attempt, ctx.worker_id, lease_seconds=ctx.settings.lease_seconds,
                          interval_seconds=ctx.settings.heartbeat_seconds, parent_pid=ctx.parent_pid)
     keeper.start()
