@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from engine import memory_plan
 from engine.lora import adapter_params, apply_lora, held_pieces
 from engine.model.shapes import NumberTokenizer, build_random_model, shape_config
 from engine.optim import build_optimizer, uses_eight_bit
@@ -27,7 +28,7 @@ from engine.rl.advantages import group_advantages
 from engine.rl.loss import loss_denominator, policy_loss
 from engine.rollout import SamplingParams
 from engine.rollout.cuda_graph import GraphRollout
-from engine.spec import LoraSpec, OptimSpec, RLSpec
+from engine.spec import LoraSpec, OptimSpec, RLSpec, RolloutSpec, TrainSpec
 from engine.train_batch import build_batch
 
 
@@ -59,6 +60,16 @@ def one_step(size: str, method: str, args) -> dict:
     spec = RLSpec(mask_truncated=False)  # every row runs to the length limit here
     torch.cuda.synchronize()
 
+    # the plan a job with these settings gets (engine.memory_plan), beside what the step measures
+    job = TrainSpec(quantization=method, lora=LoraSpec(r=args.rank), prompts_per_step=args.prompts,
+                    micro_batch_size=args.micro_batch,
+                    rollout=RolloutSpec(num_generations=args.samples, max_new_tokens=args.gen, max_batch=rb))
+    inputs = memory_plan.PlanInputs(longest_prompt=args.prompt, rollout_rows=n,
+                                    eight_bit=row["optimizer"] == "adamw8bit")
+    planned = memory_plan.plan(model.config, job, inputs, base=int(row["model_gb"] * 2**30), head_chunk=args.chunk)
+    row.update(plan_gb=planned.peak / 2**30, plan=planned.as_dict())
+    setup_peak = torch.cuda.max_memory_allocated()  # building and quantizing the model, capturing graphs
+    torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     comps = eng.generate(tok, prompts, params, generator=torch.Generator("cuda").manual_seed(1), max_batch=rb)
     t1 = time.perf_counter()
@@ -79,7 +90,9 @@ def one_step(size: str, method: str, args) -> dict:
     opt.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     t2 = time.perf_counter()
-    row.update(rollout_s=t1 - t0, train_s=t2 - t1, step_s=t2 - t0, peak_gb=torch.cuda.max_memory_allocated() / 2**30,
+    step_peak = torch.cuda.max_memory_allocated()
+    row.update(rollout_s=t1 - t0, train_s=t2 - t1, step_s=t2 - t0, peak_gb=max(setup_peak, step_peak) / 2**30,
+               step_peak_gb=step_peak / 2**30, step_reserved_gb=torch.cuda.max_memory_reserved() / 2**30,
                tokens=sum(c.num_tokens for c in comps), rollout_tok_s=sum(c.num_tokens for c in comps) / (t1 - t0))
     del eng, model, opt, batch
     gc.collect()
@@ -132,13 +145,13 @@ def main() -> None:
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump({"cap_gb": args.cap_gb, "args": vars(args), "rows": rows, "skipped": skipped}, f, indent=1)
-    print(f"\nsize method   step s  rollout s  train s  peak GiB (cap {args.cap_gb:.0f})")
+    print(f"\nsize method   step s  rollout s  train s  peak GiB (cap {args.cap_gb:.0f})  step: peak  reserved  planned")
     for r in rows:
         if "oom" in r:
             print(f"{r['size']:>4} {r['method']:>6}  out of memory at {r['peak_gb']:.1f} GiB")
         else:
             print(f"{r['size']:>4} {r['method']:>6} {r['step_s']:>8.1f} {r['rollout_s']:>10.1f} {r['train_s']:>8.1f} "
-                  f"{r['peak_gb']:>9.1f}")
+                  f"{r['peak_gb']:>9.1f} {r['step_peak_gb']:>17.1f} {r['step_reserved_gb']:>9.1f} {r['plan_gb']:>8.1f}")
     for s in skipped:
         print("skipped:", s)
 

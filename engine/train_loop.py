@@ -58,9 +58,7 @@ def train(spec: TrainSpec, *, workdir: Path, reporter: Reporter, should_stop: Ca
         raise
     except Exception as exc:
         if is_out_of_memory(exc):
-            cap = getattr(run, "gpu_memory_cap_gib", None)
-            note = (f" This job was capped at {cap:g} GiB by max_gpu_memory_gib; raise it if the GPU has room."
-                    if cap is not None else "")
+            note = run._cap_note() if run is not None else ""
             raise TrainError("out_of_memory", OOM_ADVICE + note) from exc
         if is_disk_full(exc):
             where = next((e.filename for e in exception_chain(exc) if getattr(e, "filename", None)), workdir)
@@ -175,12 +173,16 @@ class _Run:
         from engine.optim import build_optimizer, build_scheduler
         from engine.rewards import build_grader
         from engine.rollout import SamplingParams
-        from engine.rollout.backend import make_rollout_backend
+        from engine.rollout.backend import make_rollout_backend, resolve_backend_name
 
         spec = self.spec
         self.device = pick_device(spec.device)
         self._cap_gpu_memory()
         rollout_spec = self._rollout_spec()  # checked before anything is loaded
+        planned = (spec.memory_plan and self.device.type == "cuda"
+                   and resolve_backend_name(rollout_spec.backend) == "native")
+        if planned:
+            self._check_fits()
         seed_everything(spec.seed, self.device)
         self.workdir.mkdir(parents=True, exist_ok=True)
         try:
@@ -210,6 +212,9 @@ class _Run:
         self.eval_prompts = encode_prompts(self.tokenizer, eval_ex, spec.data.max_prompt_tokens, "eval")
         self.train_items = [ex.item for ex in train_ex]
         self.eval_items = [ex.item for ex in eval_ex]
+        if planned:
+            self.spec = spec = self._fit_memory()
+            rollout_spec = dataclasses.replace(rollout_spec, max_batch=spec.rollout.max_batch)
         if spec.final_adapter == "best_eval" and not self.eval_prompts:
             raise TrainError("invalid_spec", "final_adapter=best_eval keeps the LoRA of the step whose held-out "
                                              "evaluation scored best, and this job holds out no prompts: set "
@@ -230,6 +235,68 @@ class _Run:
         }
         self.rollout = make_rollout_backend(r, self.model, self.tokenizer, workdir=self.workdir / "rollout",
                                             max_model_len=spec.data.max_prompt_tokens + r.max_new_tokens)
+
+    # -- the memory plan (engine.memory_plan): native rollouts on a GPU ----------------------
+    def _memory_limit(self) -> int:
+        """Bytes this job may hold: what the device has free plus what torch already holds, and
+        no more than max_gpu_memory_gib where that is set."""
+        free, _ = torch.cuda.mem_get_info(self.device)
+        limit = free + torch.cuda.memory_reserved(self.device)
+        if self.gpu_memory_cap_gib is not None:
+            limit = min(limit, int(self.gpu_memory_cap_gib * 2**30))
+        return limit
+
+    def _plan_inputs(self, longest_prompt: int) -> "memory_plan.PlanInputs":
+        from engine import memory_plan
+        from engine.optim import uses_eight_bit
+
+        spec = self.spec
+        try:
+            eight_bit = uses_eight_bit(spec.optim, self.device)
+        except ValueError as exc:
+            raise TrainError("invalid_spec", str(exc)) from None
+        return memory_plan.PlanInputs(longest_prompt=longest_prompt,
+                                      rollout_rows=spec.prompts_per_step * spec.rollout.num_generations,
+                                      eval_rows=len(getattr(self, "eval_prompts", [])), eight_bit=eight_bit)
+
+    def _cap_note(self) -> str:
+        cap = self.gpu_memory_cap_gib
+        return (f" This job was capped at {cap:g} GiB by max_gpu_memory_gib; raise it if the GPU has room."
+                if cap is not None else "")
+
+    def _check_fits(self) -> None:
+        """Before the weights load: refuse a job that cannot fit even with one sequence per batch
+        and one-token prompts (its base, LoRA state and the KV cache of max_new_tokens alone)."""
+        from engine import memory_plan
+        from engine.model import ModelConfig, resolve_model_dir
+
+        try:
+            cfg = ModelConfig.from_dir(resolve_model_dir(self.spec.model))
+        except (ValueError, FileNotFoundError, OSError):
+            return  # load_model names what is wrong with the model
+        try:
+            memory_plan.fit(cfg, self.spec, self._plan_inputs(1), limit=self._memory_limit())
+        except memory_plan.DoesNotFit as exc:
+            raise TrainError("out_of_memory", f"Refused before loading the model: {exc}.{self._cap_note()}") from None
+
+    def _fit_memory(self) -> TrainSpec:
+        """The spec with the batch sizes the plan fits in this GPU, with the loaded model's bytes
+        as measured; the plan goes out as an event (a warning where it lowered a batch size)."""
+        from engine import memory_plan
+
+        longest = max((len(p) for p in self.train_prompts + self.eval_prompts), default=1)
+        held = torch.cuda.memory_allocated(self.device)
+        try:
+            p = memory_plan.fit(self.model.config, self.spec, self._plan_inputs(longest),
+                                limit=self._memory_limit(), base=held)
+        except memory_plan.DoesNotFit as exc:
+            raise TrainError("out_of_memory", f"Refused before the first step: {exc}.{self._cap_note()}") from None
+        level = "warn" if p.notes else "info"
+        note = f" ({'; '.join(p.notes)})" if p.notes else ""
+        self.reporter.event(level, f"Memory plan: {p.describe()}; rollouts decode {p.rollout_batch} sequences at a "
+                                   f"time, the learner takes {p.micro_batch} per micro-batch{note}",
+                            {"memory_plan_gib": p.as_dict()})
+        return memory_plan.with_batches(self.spec, p)
 
     def _load_init_adapter(self, path: Path) -> None:
         """The LoRA to start from (a resumed run then loads its checkpoint's over it)."""

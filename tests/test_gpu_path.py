@@ -193,12 +193,12 @@ def test_a_gpu_job_trains_a_model_further_from_its_lora(tmp_path):
 
 def test_a_job_over_its_gpu_memory_cap_fails_out_of_memory_and_the_cap_is_lifted(tmp_path):
     """max_gpu_memory_gib=0.01 (10.7 MiB) is below the tiny model's bf16 embedding alone (49152 x 128
-    x 2 bytes = 12 MiB): loading it runs into a real CUDA OOM, which fails the job ``out_of_memory``
-    naming the cap. Afterwards the process has the whole device again: 0.5 GiB allocates and an
-    uncapped job of the same model succeeds."""
+    x 2 bytes = 12 MiB): with the memory plan off, loading it runs into a real CUDA OOM, which fails
+    the job ``out_of_memory`` naming the cap. Afterwards the process has the whole device again: 0.5
+    GiB allocates and an uncapped job of the same model succeeds."""
     import gc
 
-    spec = _tiny_job(tmp_path, max_gpu_memory_gib=0.01, steps=1)
+    spec = _tiny_job(tmp_path, max_gpu_memory_gib=0.01, steps=1, memory_plan=False)
     from engine import NullReporter, TrainError, train
     from engine.types import exception_chain
 
@@ -218,6 +218,46 @@ def test_a_job_over_its_gpu_memory_cap_fails_out_of_memory_and_the_cap_is_lifted
     assert res.steps == 1 and not res.stopped
     start = next(d for _, m, d in rep.events if m.startswith("Training"))
     assert start["device"].startswith("cuda") and "max_gpu_memory_gib" not in start
+
+
+def test_the_memory_plan_lowers_a_jobs_batches_to_fit_its_cap_and_refuses_what_cannot_fit(tmp_path):
+    """engine.memory_plan in a real job: uncapped, the plan keeps micro_batch_size 8 (an info event
+    with its terms); under a cap 10% below that plan's peak the job lowers its micro-batch, says so in
+    a warning, and runs to the end with torch's peak under the cap (the cap limits what torch
+    reserves, so an undercounting plan fails here with a CUDA OOM). Under 0.2 GiB, less than the
+    plan's fixed allowance, the job is refused before its weights load, naming the cap."""
+    from engine import NullReporter, TrainError, train
+
+    def plan_event(rep):
+        return next((lvl, m, d) for lvl, m, d in rep.events if m.startswith("Memory plan"))
+
+    rep = NullReporter()
+    train(_tiny_job(tmp_path, steps=1, micro_batch_size=8, prompts_per_step=4), workdir=tmp_path / "free",
+          reporter=rep, should_stop=lambda: False)
+    level, message, data = plan_event(rep)
+    asked = data["memory_plan_gib"]
+    assert level == "info" and asked["micro_batch_size"] == 8 and asked["rollout_batch"] == 16, message
+    assert asked["KV cache"] > 0 and asked["learner pass"] > asked["KV cache"], asked
+
+    cap = round(asked["peak"] * 0.9, 4)
+    rep = NullReporter()
+    res = train(_tiny_job(tmp_path, steps=2, micro_batch_size=8, prompts_per_step=4, max_gpu_memory_gib=cap),
+                workdir=tmp_path / "capped", reporter=rep, should_stop=lambda: False)
+    level, message, data = plan_event(rep)
+    got = data["memory_plan_gib"]
+    assert level == "warn" and got["micro_batch_size"] < 8 and "micro_batch_size 8 -> " in message, message
+    assert got["peak"] <= cap and abs(got["limit"] - cap) < 1e-3, got  # GiB to 3 places
+    assert res.steps == 2 and not res.stopped
+    peaks = [m["peak_memory_mb"] for _, m in rep.steps if "peak_memory_mb" in m]
+    assert peaks and max(peaks) <= cap * 1024, (peaks, cap)
+
+    with pytest.raises(TrainError) as err:
+        train(_tiny_job(tmp_path, steps=1, max_gpu_memory_gib=0.2), workdir=tmp_path / "refused",
+              reporter=NullReporter(), should_stop=lambda: False)
+    text = str(err.value)
+    assert err.value.code == "out_of_memory" and text.startswith("Refused before loading the model"), text
+    assert "capped at 0.2 GiB by max_gpu_memory_gib" in text and "micro-batch" in text, text
+    assert not (tmp_path / "refused").exists() or not any((tmp_path / "refused").iterdir())
 
 
 def test_a_gpu_memory_cap_is_recorded_and_one_above_the_device_is_refused(tmp_path):

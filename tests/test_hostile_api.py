@@ -275,6 +275,7 @@ def test_out_of_range_hyperparameters_name_the_allowed_range(client, key_a, fiel
     ({"max_gpu_memory_gib": 0}, "qerl.max_gpu_memory_gib", "(0, 100000]"),
     ({"max_gpu_memory_gib": "8"}, "qerl.max_gpu_memory_gib", "must be a number"),
     ({"max_gpu_memory_gib": True}, "qerl.max_gpu_memory_gib", "must be a number"),
+    ({"memory_plan": "off"}, "qerl.memory_plan", "must be true or false"),
     ({"optim": {"lr": 1e9}}, "qerl.optim.lr", "(0.0, 1.0]"),
     ({"aqn": {"sigma_start": -1e-2}}, "qerl.aqn.sigma_start", "(0.0, 1.0]"),
     ({"prompts_per_step": 10**40}, "qerl.prompts_per_step", "[1, 4096]"),

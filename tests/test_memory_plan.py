@@ -1,0 +1,146 @@
+"""The memory plan's held terms against what the engine really allocates (on the CPU here; the GPU
+peaks are checked in tests/test_memory_plan_gpu.py), and how ``fit`` picks batch sizes."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from engine import memory_plan as mp
+from engine.lora import adapter_params, apply_lora
+from engine.model.shapes import build_random_model, shape_config
+from engine.spec import LoraSpec, RolloutSpec, TrainSpec
+
+# Qwen2.5's layout (q/k/v bias, untied head) at a size the CPU builds in a moment; widths that are
+# not multiples of the GPU operand's tiles, so padding would show
+SMALL = dict(hidden_size=192, intermediate_size=400, num_layers=3, num_heads=6, num_kv_heads=2, head_dim=32,
+             vocab_size=1000)
+
+
+def _bytes(model: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+@pytest.mark.parametrize("quantization", ["nvfp4", "nf4", "bf16"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_base_bytes_are_what_the_model_holds(quantization, tied):
+    cfg = shape_config("7b", **SMALL, tie_word_embeddings=tied)
+    model = build_random_model(cfg, quantization=quantization, device="cpu", seed=1)
+    rope = model.inv_freq.numel() * model.inv_freq.element_size()  # not a weight: a few hundred bytes
+    assert _bytes(model) - rope == mp.base_bytes(cfg, quantization, operand=False)
+    if quantization == "nvfp4":  # the GPU operand pads to whole tiles: more, never less
+        assert mp.base_bytes(cfg, quantization) > mp.base_bytes(cfg, quantization, operand=False)
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                                     ["q_proj", "down_proj"]])
+def test_adapter_numel_is_what_apply_lora_makes(targets):
+    cfg = shape_config("7b", **SMALL)
+    model = build_random_model(cfg, quantization="bf16", device="cpu")
+    apply_lora(model, LoraSpec(r=8, target_modules=targets))
+    assert sum(p.numel() for p in adapter_params(model)) == mp.adapter_numel(cfg, 8, targets)
+
+
+@pytest.mark.parametrize("batch,longest,new", [(4, 100, 60), (1, 3, 1), (8, 256, 256)])
+def test_kv_cache_bytes_are_what_the_rollout_engine_allocates(batch, longest, new):
+    from engine.rollout.cuda_graph import GraphRollout
+
+    cfg = shape_config("7b", **SMALL)
+    model = build_random_model(cfg, quantization="bf16", device="cpu")
+    max_len = mp.rollout_max_len(longest, new)
+    assert max_len % mp.LEN_BUCKET == 0 and max_len >= longest + new
+    eng = GraphRollout(model, max_batch=batch, max_len=max_len)
+    held = sum(t.numel() * t.element_size() for t in (eng.kc, eng.vc, eng.valid, eng.rope_cos, eng.rope_sin))
+    assert held == mp.kv_cache_bytes(cfg, batch, max_len)
+
+
+def _spec(**over) -> TrainSpec:
+    return dataclasses.replace(TrainSpec(quantization="nvfp4", lora=LoraSpec(r=16), prompts_per_step=8,
+                                         micro_batch_size=8,
+                                         rollout=RolloutSpec(num_generations=8, max_new_tokens=1024, max_batch=64)),
+                               **over)
+
+
+INPUTS = mp.PlanInputs(longest_prompt=256, rollout_rows=64, eval_rows=32, eight_bit=True)
+
+
+def test_the_plan_grows_with_each_batch_and_the_base():
+    cfg, spec = shape_config("32b"), _spec()
+    p = mp.plan(cfg, spec, INPUTS)
+    assert p.rollout_batch == 64 and p.micro_batch == 8 and p.max_len == 1280 and p.seq_len == 1280
+    assert p.held["KV cache"] == mp.kv_cache_bytes(cfg, 64, 1280)
+    assert mp.plan(cfg, spec, INPUTS, rollout_batch=32).peak < p.peak
+    assert mp.plan(cfg, spec, INPUTS, micro_batch=4).peak < p.peak
+    assert mp.plan(cfg, _spec(quantization="bf16"), INPUTS).peak > p.peak + 40 * mp.GIB  # 2 bytes a weight
+    # without checkpointing the learner keeps every layer's activations
+    assert mp.plan(cfg, _spec(gradient_checkpointing=False), INPUTS).learner_pass > 4 * p.learner_pass
+    # a step decodes no more sequences than it has: 8 x 2 rows and 4 held out take a 16-row engine
+    few = mp.PlanInputs(longest_prompt=256, rollout_rows=16, eval_rows=4)
+    assert mp.plan(cfg, spec, few).rollout_batch == 16
+
+
+def test_fit_keeps_what_fits_and_lowers_the_micro_batch_first():
+    cfg, spec = shape_config("32b"), _spec()
+    asked = mp.plan(cfg, spec, INPUTS)
+    same = mp.fit(cfg, spec, INPUTS, limit=asked.peak)
+    assert (same.rollout_batch, same.micro_batch, same.notes) == (64, 8, [])
+
+    m2 = mp.plan(cfg, spec, INPUTS, micro_batch=2)
+    p = mp.fit(cfg, spec, INPUTS, limit=m2.peak)
+    assert (p.rollout_batch, p.micro_batch) == (64, 2)
+    assert "micro_batch_size 8 -> 2" in p.notes[0] and "rollout" not in p.notes[0]
+
+    r16 = mp.plan(cfg, spec, INPUTS, rollout_batch=16, micro_batch=1)
+    p = mp.fit(cfg, spec, INPUTS, limit=r16.peak)
+    assert (p.rollout_batch, p.micro_batch) == (16, 1)
+    assert "rollout sub-batches 64 -> 16" in p.notes[0] and p.peak <= r16.peak
+    lowered = mp.with_batches(spec, p)
+    assert (lowered.micro_batch_size, lowered.rollout.max_batch) == (1, 16)
+    assert lowered.rollout.max_new_tokens == spec.rollout.max_new_tokens and lowered.lora == spec.lora
+
+
+def test_what_fits_nowhere_is_refused_with_its_plan_and_the_fields_to_change():
+    cfg, spec = shape_config("72b"), _spec(quantization="bf16")
+    with pytest.raises(mp.DoesNotFit) as err:
+        mp.fit(cfg, spec, INPUTS, limit=80 * mp.GIB)
+    text = str(err.value)
+    assert "80.0 GiB" in text and "base 1" in text  # 72B's bf16 weights: over a hundred GiB
+    for field in ("quantization nvfp4", "rollout.max_new_tokens", "data.max_prompt_tokens", "max_gpu_memory_gib"):
+        assert field in text
+    # the same job on the NVFP4 base fits the 80 GiB
+    assert mp.fit(cfg, _spec(), INPUTS, limit=80 * mp.GIB).fits
+
+
+def test_a_measured_base_replaces_the_arithmetic():
+    cfg, spec = shape_config("7b"), _spec()
+    p = mp.plan(cfg, spec, INPUTS, base=7 * mp.GIB)
+    assert p.held["base and LoRA weights"] == 7 * mp.GIB and "base" not in p.held
+    q = mp.plan(cfg, spec, INPUTS)
+    assert q.held["base"] == mp.base_bytes(cfg, "nvfp4") and q.held["LoRA weights"] > 0
+    assert set(p.as_dict()) >= {"KV cache", "optimizer", "peak", "rollout_batch", "micro_batch_size"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("method", ["nvfp4", "bf16"])
+def test_the_plan_bounds_a_measured_rl_step_on_the_gpu(method):
+    """benchmarks/rl_step.py's step (rollout in sub-batches on the graph engine, learner micro-batches
+    with checkpointing, 8-bit or plain AdamW) on six 7B-shaped layers: torch's peak of the step is
+    within the plan's tensors and no less than 70% of them; what torch reserved is within the plan."""
+    from types import SimpleNamespace
+
+    from benchmarks import rl_step
+
+    args = SimpleNamespace(prompts=4, samples=4, prompt=200, gen=300, rank=16, rollout_batch=16, micro_batch=4,
+                           chunk=512, layers=6)
+    row = rl_step.one_step("7b", method, args)
+    tensors = (row["plan_gb"] * mp.GIB - mp.FIXED) / (1 + mp.SLACK) / mp.GIB
+    assert 0.7 * tensors <= row["step_peak_gb"] <= tensors, (row["step_peak_gb"], tensors, row["plan"])
+    assert row["step_reserved_gb"] <= row["plan_gb"], (row["step_reserved_gb"], row["plan"])
