@@ -11,9 +11,9 @@ while it is recomputed, or the head's row chunk of fp32 logits).
 The held terms are exact arithmetic on the shapes; the passes' terms count the tensors the code
 keeps (engine.model.layers, engine.model.decoder.token_logprobs) and are checked against the
 peak torch reports on the GPU (benchmarks/rl_step.py prints both). ``fit`` keeps the job's
-micro_batch_size and rollout.max_batch when the plan fits and otherwise halves them, the
-micro-batch first (the learner's rows are already many per GEMM; the rollout's batch is what
-makes decoding fast), and says what nothing fits.
+micro_batch_size and rollout.max_batch when the plan fits and otherwise halves them, keeping the
+rollout's batch as large as it can (it is what makes decoding fast; the learner's rows are many per
+GEMM at any micro-batch), and says when nothing fits.
 """
 from __future__ import annotations
 
@@ -173,7 +173,7 @@ class MemoryPlan:
         held = ", ".join(f"{k} {v / GIB:.2f}" for k, v in self.held.items() if v)
         text = (f"{self.peak / GIB:.1f} GiB planned at the peak (GiB: {held}; then the larger of a rollout's "
                 f"prefill {self.rollout_pass / GIB:.2f} and a learner micro-batch of {self.micro_batch} x "
-                f"{self.seq_len} tokens {self.learner_pass / GIB:.2f}; {SLACK:.0%} and {FIXED / GIB:.1f} GiB "
+                f"{self.seq_len} tokens {self.learner_pass / GIB:.2f}; {SLACK:.0%} and {FIXED / GIB:.2f} GiB "
                 f"for the allocator and workspaces)")
         if self.limit is not None:
             text += f" of the {self.limit / GIB:.1f} GiB this job may use"
@@ -231,29 +231,29 @@ class DoesNotFit(ValueError):
 
 
 def fit(cfg: ModelConfig, spec: TrainSpec, inputs: PlanInputs, *, limit: int, base: int | None = None) -> MemoryPlan:
-    """The plan with the spec's batch sizes when it fits ``limit``; else with the micro-batch
-    halved down to 1 first, then the rollout batch; ``notes`` says what was lowered and why."""
+    """The plan with the spec's batch sizes when it fits ``limit``; else the largest rollout batch
+    (halving from the spec's) that fits with some micro-batch, with the largest micro-batch (halving
+    likewise) that fits beside it: decoding gains most from its batch, the learner's long rows fill
+    its GEMMs at any micro-batch. ``notes`` says what was lowered and why."""
     want = plan(cfg, spec, inputs, limit=limit, base=base)
     if want.fits:
         return want
-    mb, rb = spec.micro_batch_size, want.rollout_batch
-    while True:
-        if mb > 1:
-            mb = max(1, mb // 2)
-        elif rb > 1:
-            rb = max(1, rb // 2)
-        else:
-            break
-        p = plan(cfg, spec, inputs, rollout_batch=rb, micro_batch=mb, limit=limit, base=base)
-        if p.fits:
-            lowered = []
-            if mb != spec.micro_batch_size:
-                lowered.append(f"micro_batch_size {spec.micro_batch_size} -> {mb}")
-            if rb != want.rollout_batch:
-                lowered.append(f"rollout sub-batches {want.rollout_batch} -> {rb} sequences")
-            p.notes.append(f"lowered {', '.join(lowered)} to fit: as asked, the job would need "
-                           f"{want.peak / GIB:.1f} GiB of the {limit / GIB:.1f} it may use")
-            return p
+    rb = want.rollout_batch
+    while rb >= 1:
+        mb = spec.micro_batch_size
+        while mb >= 1:
+            p = plan(cfg, spec, inputs, rollout_batch=rb, micro_batch=mb, limit=limit, base=base)
+            if p.fits:
+                lowered = []
+                if mb != spec.micro_batch_size:
+                    lowered.append(f"micro_batch_size {spec.micro_batch_size} -> {mb}")
+                if rb != want.rollout_batch:
+                    lowered.append(f"rollout sub-batches {want.rollout_batch} -> {rb} sequences")
+                p.notes.append(f"lowered {', '.join(lowered)} to fit: as asked, the job would need "
+                               f"{want.peak / GIB:.1f} GiB of the {limit / GIB:.1f} it may use")
+                return p
+            mb //= 2
+        rb //= 2
     smallest = plan(cfg, spec, inputs, rollout_batch=1, micro_batch=1, limit=limit, base=base)
     raise DoesNotFit(f"the job does not fit the {limit / GIB:.1f} GiB it may use even with one sequence per "
                      f"rollout sub-batch and learner micro-batch: {smallest.describe()}. Make room with a "

@@ -240,7 +240,7 @@ class TrainSpec:
     # against it too, its rollout.gpu_memory_utilization fitted to it); None: the whole device
     max_gpu_memory_gib: float | None = None
     # CUDA with native rollouts: plan the job's memory (engine.memory_plan) before the first step,
-    # lowering micro_batch_size and then rollout.max_batch until it fits the GPU (or the cap), and
+    # lowering rollout.max_batch and micro_batch_size until it fits the GPU (or the cap), and
     # refuse a job that cannot fit at all before its weights load; false: the batch sizes as given
     memory_plan: bool = True
 

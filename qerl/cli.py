@@ -12,6 +12,7 @@ _COMMANDS = (
     ("qerl.cli_service", "serve, keys, migrate, queue"),
     ("worker.cli", "worker"),
     ("qerl.cli_engine", "train, quantize"),
+    ("qerl.cli_plan", "plan"),
     ("qerl.cli_generate", "generate"),
     ("qerl.cli_client", "files, jobs, adapters"),
     ("qerl.cli_graders", "graders"),

