@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from engine import checkpoint as ckpt
+from engine import memory_plan
 from engine.evaluate import evaluate, grade
 from engine.metrics import UpdateStats, peak_memory_mb, report_samples, sample_metrics, sample_rows
 from engine.rewards.model_grader import ModelGraderError, judge_tokens
@@ -246,8 +247,7 @@ class _Run:
             limit = min(limit, int(self.gpu_memory_cap_gib * 2**30))
         return limit
 
-    def _plan_inputs(self, longest_prompt: int) -> "memory_plan.PlanInputs":
-        from engine import memory_plan
+    def _plan_inputs(self, longest_prompt: int) -> memory_plan.PlanInputs:
         from engine.optim import uses_eight_bit
 
         spec = self.spec
@@ -267,7 +267,6 @@ class _Run:
     def _check_fits(self) -> None:
         """Before the weights load: refuse a job that cannot fit even with one sequence per batch
         and one-token prompts (its base, LoRA state and the KV cache of max_new_tokens alone)."""
-        from engine import memory_plan
         from engine.model import ModelConfig, resolve_model_dir
 
         try:
@@ -282,8 +281,6 @@ class _Run:
     def _fit_memory(self) -> TrainSpec:
         """The spec with the batch sizes the plan fits in this GPU, with the loaded model's bytes
         as measured; the plan goes out as an event (a warning where it lowered a batch size)."""
-        from engine import memory_plan
-
         longest = max((len(p) for p in self.train_prompts + self.eval_prompts), default=1)
         held = torch.cuda.memory_allocated(self.device)
         try:
