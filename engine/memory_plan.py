@@ -198,8 +198,8 @@ def _bucket(n: int, cap: int) -> int:  # engine.rollout.cuda_graph._bucket
 def plan(cfg: ModelConfig, spec: TrainSpec, inputs: PlanInputs, *, rollout_batch: int | None = None,
          micro_batch: int | None = None, limit: int | None = None, base: int | None = None,
          head_chunk: int = HEAD_CHUNK) -> MemoryPlan:
-    """The plan of ``spec`` with these batch sizes (default: the spec's). ``base``: the bytes the
-    loaded model already holds (base and LoRA weights, measured), else the shapes' arithmetic;
+    """The plan of ``spec`` with these batch sizes (default: the spec's). ``base``: the bytes held
+    once the model is loaded (its base and LoRA weights, measured), else the shapes' arithmetic;
     ``head_chunk``: the learner head's rows per chunk."""
     rb = rollout_batch or spec.rollout.max_batch
     mb = micro_batch or spec.micro_batch_size
@@ -214,7 +214,7 @@ def plan(cfg: ModelConfig, spec: TrainSpec, inputs: PlanInputs, *, rollout_batch
         held["base"] = base_bytes(cfg, spec.quantization)
         held["LoRA weights"] = adapter.pop("weights")
     else:
-        held["base and LoRA weights"] = base
+        held["model as loaded"] = base
         adapter.pop("weights")
     held["LoRA gradients"] = adapter["gradients"]
     held["optimizer"] = adapter["optimizer"]

@@ -22,6 +22,7 @@ stream and the data position, so a resumed run is bit-identical to an uninterrup
 from __future__ import annotations
 
 import dataclasses
+import gc
 import random
 import time
 from contextlib import contextmanager
@@ -119,10 +120,25 @@ class _Run:
                 self.rollout.close()
                 self.rollout = None
         finally:
+            self._release_model()
             if self._capped_device is not None:  # the next job in this process gets the whole device
                 torch.cuda.set_per_process_memory_fraction(1.0, self._capped_device.index)
                 torch.cuda.empty_cache()
                 self._capped_device = None
+
+    def _release_model(self) -> None:
+        """Let the model, its graph engine and optimizer state go now: the engine refers back to the
+        model, so without this a GPU job's memory waits for the garbage collector, and the next job
+        in the same process (the embedded worker's) would find it still held."""
+        model = getattr(self, "model", None)
+        if model is None:
+            return
+        model.__dict__.pop("_graph_rollout", None)
+        self.model = self.optimizer = self.scheduler = self.params = None
+        device = getattr(self, "device", None)
+        if device is not None and device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
 
     def _cap_gpu_memory(self) -> None:
         """spec.max_gpu_memory_gib as the limit of torch's CUDA allocator in this process (until close)."""
@@ -279,10 +295,13 @@ class _Run:
             raise TrainError("out_of_memory", f"Refused before loading the model: {exc}.{self._cap_note()}") from None
 
     def _fit_memory(self) -> TrainSpec:
-        """The spec with the batch sizes the plan fits in this GPU, with the loaded model's bytes
-        as measured; the plan goes out as an event (a warning where it lowered a batch size)."""
+        """The spec with the batch sizes the plan fits in this GPU, with what the process holds once
+        the model is loaded as measured: what torch keeps reserved after releasing the loading's
+        cached blocks (the cap limits that, and a block pinned by a live tensor cannot be released);
+        the plan goes out as an event (a warning where it lowered a batch size)."""
         longest = max((len(p) for p in self.train_prompts + self.eval_prompts), default=1)
-        held = torch.cuda.memory_allocated(self.device)
+        torch.cuda.empty_cache()
+        held = torch.cuda.memory_reserved(self.device)
         try:
             p = memory_plan.fit(self.model.config, self.spec, self._plan_inputs(longest),
                                 limit=self._memory_limit(), base=held)

@@ -131,7 +131,7 @@ def test_what_fits_nowhere_is_refused_with_its_plan_and_the_fields_to_change():
 def test_a_measured_base_replaces_the_arithmetic():
     cfg, spec = shape_config("7b"), _spec()
     p = mp.plan(cfg, spec, INPUTS, base=7 * mp.GIB)
-    assert p.held["base and LoRA weights"] == 7 * mp.GIB and "base" not in p.held
+    assert p.held["model as loaded"] == 7 * mp.GIB and "base" not in p.held
     q = mp.plan(cfg, spec, INPUTS)
     assert q.held["base"] == mp.base_bytes(cfg, "nvfp4") and q.held["LoRA weights"] > 0
     assert set(p.as_dict()) >= {"KV cache", "optimizer", "peak", "rollout_batch", "micro_batch_size"}
