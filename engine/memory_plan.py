@@ -21,12 +21,11 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from engine.model.config import ModelConfig
+from engine.rollout.cuda_graph import PREFILL_ROWS, batch_bucket, kv_len
 from engine.spec import TrainSpec
 
 GIB = 2**30
-PREFILL_CHUNK = 8192  # tokens per eager prefill pass (engine.rollout.cuda_graph)
 HEAD_CHUNK = 512  # rows of the learner's head per chunk (engine.model.decoder.token_logprobs)
-LEN_BUCKET = 256  # the rollout engine's KV length rounds up to this (engine.rollout.cuda_graph.generate)
 SLACK = 0.10  # the allocator's rounding and fragmentation over what the tensors need
 FIXED = 256 * 2**20  # cuBLAS workspaces, the sampler's and graphs' small buffers
 
@@ -92,7 +91,8 @@ def kv_cache_bytes(cfg: ModelConfig, batch: int, max_len: int, *, dtype_bytes: i
 
 
 def rollout_max_len(longest_prompt: int, max_new_tokens: int) -> int:
-    return max(LEN_BUCKET, _round_up(longest_prompt + max_new_tokens, LEN_BUCKET))
+    """The KV length of the engine a rollout of these lengths is decoded on."""
+    return kv_len(longest_prompt + max_new_tokens)
 
 
 def _layer_activation_bytes(cfg: ModelConfig) -> int:
@@ -128,7 +128,7 @@ def learner_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, *, checkpoin
 def prefill_bytes(cfg: ModelConfig, batch: int, longest_prompt: int) -> int:
     """Peak of a rollout's prefill beyond the cache: one chunk's activations through a layer (no
     gradients: a layer's tensors are freed before the next) and the last positions' fp32 logits."""
-    n = min(PREFILL_CHUNK, batch * max(1, longest_prompt))
+    n = min(PREFILL_ROWS, batch * max(1, longest_prompt))
     h, i = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     per_token = 2 * (4 * h + (q + 2 * kv) + q + 3 * i)
@@ -191,10 +191,6 @@ class PlanInputs:
     eight_bit: bool = False
 
 
-def _bucket(n: int, cap: int) -> int:  # engine.rollout.cuda_graph._bucket
-    return min(cap, 1 << max(0, (n - 1).bit_length()))
-
-
 def plan(cfg: ModelConfig, spec: TrainSpec, inputs: PlanInputs, *, rollout_batch: int | None = None,
          micro_batch: int | None = None, limit: int | None = None, base: int | None = None,
          head_chunk: int = HEAD_CHUNK) -> MemoryPlan:
@@ -204,7 +200,7 @@ def plan(cfg: ModelConfig, spec: TrainSpec, inputs: PlanInputs, *, rollout_batch
     rb = rollout_batch or spec.rollout.max_batch
     mb = micro_batch or spec.micro_batch_size
     rows = max(inputs.rollout_rows, inputs.eval_rows, 1)
-    engine_batch = _bucket(min(rb, rows), rb)  # what the cached engine is built for
+    engine_batch = batch_bucket(min(rb, rows), rb)  # what the cached engine is built for
     max_len = rollout_max_len(inputs.longest_prompt, spec.rollout.max_new_tokens)
     seq_len = inputs.longest_prompt + spec.rollout.max_new_tokens
     numel = adapter_numel(cfg, spec.lora.r, list(spec.lora.target_modules))

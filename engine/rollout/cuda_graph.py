@@ -105,7 +105,8 @@ O_SHRINK_TASK_ROWS = 1
 STEP_KERNELS = True
 
 
-def _bucket(n: int, cap: int) -> int:
+def batch_bucket(n: int, cap: int) -> int:
+    """The engine's batch for ``n`` sequences: the next power of two, at most ``cap``."""
     return min(cap, 1 << max(0, (n - 1).bit_length()))
 
 
@@ -693,7 +694,7 @@ class GraphRollout:
         if ids.shape[1] + params.max_new_tokens > self.max_len:
             raise ValueError(f"prompt ({ids.shape[1]}) + max_new_tokens ({params.max_new_tokens}) exceeds the rollout "
                              f"engine's max_len {self.max_len}; build it with a larger max_len")
-        b = _bucket(n, self.max_batch)
+        b = batch_bucket(n, self.max_batch)
         self.valid.zero_()
         self.pos.zero_()
         self.tok.zero_()
@@ -724,7 +725,7 @@ class GraphRollout:
                 if len(cols) < len(at):  # rows ended: sample only the live ones from now on
                     logits = logits.index_select(0, torch.tensor(cols, device=dev))
                     at, cols = [at[c] for c in cols], list(range(len(cols)))
-                    nb = _bucket(len(at), self.max_batch)
+                    nb = batch_bucket(len(at), self.max_batch)
                     if nb < b:
                         self._compact(torch.tensor(at, device=dev))
                         at, b = list(range(len(at))), nb
@@ -809,6 +810,14 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
+KV_LEN_BUCKET = 256  # the cached engine's KV length rounds up to this (fewer rebuilds as prompts vary)
+
+
+def kv_len(tokens: int) -> int:
+    """The KV length of the engine ``generate`` uses for sequences of up to ``tokens`` tokens."""
+    return max(KV_LEN_BUCKET, -(-tokens // KV_LEN_BUCKET) * KV_LEN_BUCKET)
+
+
 def engine_for(model: nn.Module, *, max_batch: int = 64, max_len: int = 2048, **kwargs) -> GraphRollout:
     """The model's cached engine, rebuilt when it is too small for (max_batch, max_len) or
     the LoRA modules changed."""
@@ -826,7 +835,6 @@ def generate(model, tokenizer, prompts: list[list[int]], params: SamplingParams,
              generator: torch.Generator | None = None, should_stop: Callable[[], bool] | None = None,
              max_batch: int = 64) -> list[Completion]:
     """engine.rollout.generate on the graph engine (one Completion per prompt, prompt order)."""
-    longest = max((len(p) for p in prompts), default=1) + params.max_new_tokens
-    max_len = max(256, -(-longest // 256) * 256)
-    eng = engine_for(model, max_batch=_bucket(min(max_batch, max(1, len(prompts))), max_batch), max_len=max_len)
+    max_len = kv_len(max((len(p) for p in prompts), default=1) + params.max_new_tokens)
+    eng = engine_for(model, max_batch=batch_bucket(min(max_batch, max(1, len(prompts))), max_batch), max_len=max_len)
     return eng.generate(tokenizer, prompts, params, generator=generator, should_stop=should_stop, max_batch=max_batch)
