@@ -24,7 +24,7 @@ Per rollout step (``Reporter.metrics``), over all G samples of all prompts of th
                                  requests, python graders' sandboxes)
     judge_tokens                 prompt + completion tokens a model grader's judge reported using
                                  for the step (only with model graders whose judge reports usage)
-    step_s, peak_memory_mb       wall time of the step; peak CUDA allocation or process max RSS
+    step_s, peak_memory_mb       wall time of the step; peak CUDA allocation since the job started, or process max RSS
     updates_skipped              1 when every group was dropped and no update ran (the update
                                  keys above are then absent)
     trained_tokens               completion tokens trained on so far (cumulative)
@@ -122,7 +122,8 @@ class UpdateStats:
 
 
 def peak_memory_mb(device: torch.device) -> float:
-    """Peak CUDA memory allocated by torch on a GPU; the process's max resident set on CPU."""
+    """Peak CUDA memory allocated by torch on a GPU (engine.train_loop resets it as a job starts);
+    the process's max resident set on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS

@@ -194,6 +194,8 @@ class _Run:
 
         spec = self.spec
         self.device = pick_device(spec.device)
+        if self.device.type == "cuda":  # the steps' peak_memory_mb is this job's, not the process's so far
+            torch.cuda.reset_peak_memory_stats(self.device)
         self._cap_gpu_memory()
         rollout_spec = self._rollout_spec()  # checked before anything is loaded
         planned = (spec.memory_plan and self.device.type == "cuda"

@@ -225,7 +225,8 @@ def test_the_memory_plan_lowers_a_jobs_batches_to_fit_its_cap_and_refuses_what_c
     with its terms); under a cap that leaves 10% less than that plan for what the job adds to what
     the process holds once the model is loaded (earlier tests' tensors are part of that here), the
     job lowers its micro-batch, says so in a warning, and runs to the end with torch's peak under the
-    cap (the cap limits what torch reserves, so an undercounting plan fails here with a CUDA OOM).
+    cap (the cap limits what torch reserves, so an undercounting plan fails here with a CUDA OOM; the
+    peak is the job's own, after 2 GiB allocated and freed before it).
     Under 0.2 GiB, less than the plan's fixed allowance, the job is refused before its weights load,
     naming the cap."""
     import gc
@@ -233,6 +234,8 @@ def test_the_memory_plan_lowers_a_jobs_batches_to_fit_its_cap_and_refuses_what_c
     from engine import NullReporter, TrainError, train
 
     gc.collect()  # earlier tests' garbage: freed, and its cached blocks released by the first job's plan
+    block = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")  # a process peak above any cap below:
+    del block  # each job's peak_memory_mb must be its own
 
     def plan_event(rep):
         return next((lvl, m, d) for lvl, m, d in rep.events if m.startswith("Memory plan"))
