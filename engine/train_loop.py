@@ -298,10 +298,12 @@ class _Run:
 
     def _fit_memory(self) -> TrainSpec:
         """The spec with the batch sizes the plan fits in this GPU, with what the process holds once
-        the model is loaded as measured: what torch keeps reserved after releasing the loading's
-        cached blocks (the cap limits that, and a block pinned by a live tensor cannot be released);
+        the model is loaded as measured: what torch keeps reserved after collecting garbage and
+        releasing the loading's cached blocks (the cap limits that, and a block pinned by a live
+        tensor cannot be released);
         the plan goes out as an event (a warning where it lowered a batch size)."""
         longest = max((len(p) for p in self.train_prompts + self.eval_prompts), default=1)
+        gc.collect()  # tensors only unreachable cycles still refer to would count as held
         torch.cuda.empty_cache()
         held = torch.cuda.memory_reserved(self.device)
         try:
