@@ -155,7 +155,6 @@ class _Run:
             raise TrainError("invalid_spec", f"max_gpu_memory_gib={cap:g} is more than {device} has "
                                              f"({total / 2**30:.1f} GiB); lower max_gpu_memory_gib to at most the "
                                              "device's memory or leave it unset")
-        torch.cuda.empty_cache()  # blocks cached by earlier work would let the job hold more than the cap
         torch.cuda.set_per_process_memory_fraction(cap * 2**30 / total, device.index)  # wants an index
         self._capped_device, self.gpu_memory_cap_gib, self._gpu_total = device, cap, total
 
@@ -194,7 +193,11 @@ class _Run:
 
         spec = self.spec
         self.device = pick_device(spec.device)
-        if self.device.type == "cuda":  # the steps' peak_memory_mb is this job's, not the process's so far
+        if self.device.type == "cuda":
+            # blocks earlier work left cached would take the model's tensors among their free space
+            # and stay reserved beside them, and the steps' peak_memory_mb is this job's own
+            gc.collect()
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
         self._cap_gpu_memory()
         rollout_spec = self._rollout_spec()  # checked before anything is loaded

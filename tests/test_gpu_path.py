@@ -254,9 +254,9 @@ def test_the_memory_plan_lowers_a_jobs_batches_to_fit_its_cap_and_refuses_what_c
     assert peaks and max(peaks) < 2048, peaks
 
     # Twice under a cap about at the plan's micro-batches of 4 (its peak is 1.1 x the tensors +
-    # 0.25 GiB): what the process holds once the model is loaded can be less under a cap (the
-    # allocator releases cached blocks to stay under it while loading), so the second cap is
-    # moved by what the first capped job held.
+    # 0.25 GiB) on top of what the job before it held once its model was loaded: that can differ
+    # between jobs (free space in blocks pinned by other tensors counts as held), so the second
+    # cap is moved by what the first capped job held.
     rest = plan["peak"] - 1.1 * plan["model as loaded"] - 0.55 * plan["learner pass"]
     for name in ("capped", "capped again"):
         cap = round(1.1 * plan["model as loaded"] + rest, 4)

@@ -316,7 +316,7 @@ def test_the_gpu_memory_cap_with_torch_cuda_faked(tiny_dir, tmp_path, monkeypatc
         train(spec, workdir=tmp_path / "r1", reporter=rep, should_stop=lambda: False)
     assert err.value.code == "out_of_memory" and str(err.value) == (
         OOM_ADVICE + " This job was capped at 4 GiB by max_gpu_memory_gib; raise it if the GPU has room."), err.value
-    assert calls == ["empty_cache", (0.25, 0), (1.0, 0), "empty_cache"]
+    assert calls == [(0.25, 0), (1.0, 0), "empty_cache"]
     (message, start), = [(m, d) for _, m, d in rep.events if m.startswith("Training")]
     assert start["max_gpu_memory_gib"] == 4 and "memory capped at 4 GiB (max_gpu_memory_gib)" in message
 
