@@ -8,7 +8,8 @@ Status codes (documented in the README's API section):
 - 422 readable but wrong: a field's type or value, an unknown field or model, a file id that is
   not in this project, an Idempotency-Key reused with another body;
 - 429 per-key rate limit (with Retry-After);  503 database or broker unreachable (with Retry-After;
-  a request that finds the database down, restarting or its pool exhausted gets this, never a 500).
+  a request that finds the database down, restarting or its pool exhausted gets this, never a 500),
+  or a built-in dataset's package that cannot be imported on this server (``dataset_unavailable``).
 Every message names the field and says how to fix it. Client errors carry ``x-should-retry:
 false`` so the openai SDK does not retry a 409 that will never succeed.
 """

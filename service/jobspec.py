@@ -230,5 +230,7 @@ def build_spec(body: JobCreate, lookup_file: Callable[[str], File | None],
         try:
             check_dataset(spec.data.dataset)  # the task's name and config: reasoning-gym builds one item
         except TrainError as exc:
+            if exc.code == "dataset_unavailable":  # this server's install, not the request
+                raise APIError(503, f"{exc} The job was not created.", code=exc.code, param="qerl.dataset") from None
             raise _invalid("qerl.dataset", str(exc)) from None
     return (parent.name if parent is not None else entry.name), spec.to_dict()

@@ -74,6 +74,21 @@ def test_create_with_a_builtin_dataset(client, key_a):
     assert 0 <= job["seed"] < 2**31
 
 
+def test_a_builtin_dataset_whose_package_cannot_be_imported_is_a_503_that_creates_nothing(
+        client, key_a, db_sessions, monkeypatch):
+    """reasoning-gym (or a package it imports) missing on the server is the server's install, not
+    the request: 503 dataset_unavailable naming the package and what to do, and no job row."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # `import reasoning_gym` raises ImportError
+    resp = client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json={"model": MODEL, "qerl": {"dataset": RG}})
+    assert resp.status_code == 503, resp.text
+    err = resp.json()["error"]
+    assert err["code"] == "dataset_unavailable" and err["param"] == "qerl.dataset", err
+    assert "reasoning_gym cannot be imported here" in err["message"] and "training_file" in err["message"], err
+    assert job_count(db_sessions, key_a.project) == 0
+
+
 BAD = [  # (request body or raw bytes, status, param)
     (b'{"model": "smollm2-135m-instruct", ', 400, None),
     (b'["a list"]', 400, None),

@@ -173,6 +173,17 @@ def test_bad_builtin_datasets_are_train_errors(dataset, needle):
         check_dataset(dataset)
 
 
+def test_a_dataset_package_that_cannot_be_imported_is_a_train_error(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # `import reasoning_gym` raises ImportError
+    for call in (lambda: load_examples(DataSpec(dataset=PRODUCTS, eval_size=1), seed=0),
+                 lambda: check_dataset(PRODUCTS)):
+        with pytest.raises(TrainError, match="reasoning_gym cannot be imported here") as err:
+            call()
+        assert err.value.code == "dataset_unavailable" and "training_file" in str(err.value)
+
+
 def test_check_dataset_passes_what_loads():
     check_dataset(PRODUCTS)
     check_dataset({"source": "reasoning_gym", "task": "products", "config": {"min_digits": 2, "max_digits": 3}})

@@ -10,7 +10,12 @@ SHOT_SEED_OFFSET = 1_000_003  # the one-shot example comes from another stream t
 
 
 def _create(task: str, size: int, seed: int, config: dict[str, Any]):
-    import reasoning_gym  # imported on use: ~1 s and many modules
+    try:
+        import reasoning_gym  # imported on use: ~1 s and many modules
+    except ImportError as exc:  # the package, or one it imports, missing where the job runs
+        raise TrainError("dataset_unavailable", f"data.dataset's source reasoning_gym cannot be imported here "
+                                                f"({exc}); install the project's dependencies where the job runs, "
+                                                "or give the prompts as a training_file") from None
 
     if task not in reasoning_gym.factory.DATASETS:
         raise TrainError("invalid_dataset", f"data.dataset.task {task!r} is not a reasoning-gym task; pick one of "
