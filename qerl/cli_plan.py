@@ -1,6 +1,8 @@
-"""`qerl plan SPEC.json --gpu-gib N`: the memory plan a job gets on a GPU, without one.
+"""`qerl plan SPEC --gpu-gib N`: the memory plan a job gets on a GPU, without one.
 
-The same plan (engine.memory_plan) a GPU job with native rollouts makes before its first step, from
+SPEC is an engine TrainSpec (as `qerl train` takes) or a job body (as `qerl jobs create` takes and
+POST /v1/fine_tuning/jobs receives), JSON or YAML; a body becomes the TrainSpec the service would
+run, with a local JSONL path standing for an uploaded file's id. The same plan (engine.memory_plan) a GPU job with native rollouts makes before its first step, from
 the model's config.json alone (a local directory, a config.json, a registry name, or a Hugging Face
 repo whose config.json is fetched): what it will hold, the batch sizes that fit ``--gpu-gib`` (the
 spec's, or lowered as the job would lower them), or why nothing fits. The base is counted from the
@@ -92,6 +94,59 @@ def longest_prompt(spec, model_dir: Path) -> int:
     return max((len(p) for p in prompts), default=1)
 
 
+BODY_KEYS = ("qerl", "training_file", "validation_file", "method", "hyperparameters", "suffix", "metadata",
+             "integrations")  # a job body's own: a TrainSpec has none of them
+
+
+def spec_from_body(body: dict):
+    """The TrainSpec the service builds from a job body (service.jobspec.build_spec), with its
+    training_file and validation_file as local JSONL paths where they are files here (an uploaded
+    file's id stays as it is: its prompts cannot be read)."""
+    from types import SimpleNamespace
+
+    from pydantic import ValidationError
+
+    from engine.spec import TrainSpec
+    from service.errors import APIError
+    from service.jobspec import build_spec
+    from service.schemas import JobCreate
+
+    model = body.get("model")
+    if isinstance(model, str) and model.startswith("ft:"):
+        raise ValueError(f"model: {model} is a fine-tuned model of the service; plan it as its base model "
+                         "(set model to the base's name: GET /v1/models shows it)")
+    try:
+        request = JobCreate.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise ValueError(f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}") from None
+
+    def lookup_file(file_id: str):
+        path = Path(file_id).expanduser()
+        return SimpleNamespace(purpose="fine-tune", rows=None, path=str(path.resolve()) if path.is_file() else file_id)
+
+    try:
+        _, spec = build_spec(request, lookup_file)
+    except APIError as exc:
+        raise ValueError(f"{exc.param}: {exc.message}" if exc.param else exc.message) from None
+    return TrainSpec.from_dict(spec)
+
+
+def load_plan_spec(path: Path):
+    """A TrainSpec from SPEC: the engine's own, or a job body's (``BODY_KEYS``)."""
+    from engine.spec import TrainSpec
+    from qerl.jobbody import load_spec
+
+    try:
+        data = load_spec(str(path), "an engine TrainSpec or a job body")
+    except (OSError, ValueError) as exc:
+        raise typer.BadParameter(f"cannot read {path}: {exc}", param_hint="SPEC") from None
+    try:
+        return spec_from_body(data) if any(k in data for k in BODY_KEYS) else TrainSpec.from_dict(data)
+    except ValueError as exc:
+        raise typer.BadParameter(f"{path}: {exc}", param_hint="SPEC") from None
+
+
 def _eight_bit(spec) -> bool:
     if spec.optim.eight_bit is not None:
         return bool(spec.optim.eight_bit)
@@ -101,7 +156,8 @@ def _eight_bit(spec) -> bool:
 
 
 def plan_cmd(
-    spec_path: Path = typer.Argument(..., metavar="SPEC.json", help="TrainSpec as JSON (as `qerl train` takes)"),
+    spec_path: Path = typer.Argument(..., metavar="SPEC", help="a TrainSpec (as `qerl train` takes) or a job body "
+                                     "(as `qerl jobs create` takes), JSON or YAML"),
     gpu_gib: Optional[float] = typer.Option(None, "--gpu-gib", help="GiB the job may use (default: this machine's "
                                             "GPU 0, or the spec's max_gpu_memory_gib)"),
     model: Optional[str] = typer.Option(None, "--model", help="the model's directory, config.json, registry name or "
@@ -116,9 +172,8 @@ def plan_cmd(
 ) -> None:
     """Plan a job's GPU memory: what it holds, the batch sizes that fit, or why nothing does."""
     from engine import memory_plan as mp
-    from qerl.cli_engine import _load_spec
 
-    spec = _load_spec(spec_path)
+    spec = load_plan_spec(spec_path)
     limit_gib = gpu_gib if gpu_gib is not None else spec.max_gpu_memory_gib
     if limit_gib is None:
         import torch
@@ -136,7 +191,11 @@ def plan_cmd(
     if prompt_tokens is None:
         prompt_tokens, where = spec.data.max_prompt_tokens, "data.max_prompt_tokens"
         tokenizer_dir = local_model_dir(model or spec.model)
-        if tokenizer_dir is not None:
+        elsewhere = [f for f in (spec.data.train_file, spec.data.validation_file) if f and not Path(f).is_file()]
+        if elsewhere:
+            console.print(f"[yellow]prompts taken at data.max_prompt_tokens: {elsewhere[0]} is not a file here "
+                          "(give the JSONL's path to read its prompts)[/]")
+        elif tokenizer_dir is not None:
             from engine.types import TrainError
 
             try:

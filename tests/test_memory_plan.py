@@ -233,3 +233,54 @@ def test_qerl_plan_reads_a_model_directory_and_the_longest_prompt(tmp_path):
         p = mp.plan(cfg, spec, mp.PlanInputs(longest_prompt=prompt, rollout_rows=64, eval_rows=32))
         assert f"{p.peak / mp.GIB:.2f}" in out and f"64 rollouts of {prompt} + 1024" in out, out
     assert "the job's longest prompt" in read.output and "data.max_prompt_tokens" in bare.output
+
+
+def test_qerl_plan_takes_a_job_body_as_the_service_would_run_it(tmp_path):
+    """A job body (as `qerl jobs create` sends it) plans as the TrainSpec the service builds from it:
+    hyperparameters.batch_size is prompts_per_step, qerl's fields the spec's; a local JSONL path as
+    training_file is read for its longest prompt, the same plan as the TrainSpec with that file; an
+    uploaded file's id cannot be read, so the prompts are taken at data.max_prompt_tokens, said so;
+    a fine-tuned model and a field the API refuses are errors naming the field."""
+    from engine.model.tiny import make_tiny_model
+
+    try:
+        model_dir = make_tiny_model(tmp_path / "tiny", arch="qwen2", hidden=64, layers=2)
+    except ValueError as exc:  # no SmolLM2 tokenizer here
+        pytest.skip(str(exc))
+    rows = tmp_path / "train.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": "Add " + " and ".join(str(i) for i in range(n)), "answer": "x"}) + "\n"
+                            for n in range(2, 40)))
+    grader = {"type": "string_check", "name": "exact", "operation": "eq", "input": "{{sample.output_text}}",
+              "reference": "{{item.answer}}"}
+    body = {"model": "smollm2-135m-instruct", "training_file": str(rows),
+            "method": {"type": "reinforcement", "reinforcement": {"grader": grader,
+                                                                   "hyperparameters": {"batch_size": 4}}},
+            "qerl": {"rollout": {"num_generations": 8, "max_new_tokens": 512}, "data": {"eval_size": 4}}}
+    spec = {"model": "smollm2-135m-instruct", "prompts_per_step": 4, "grader": grader,
+            "rollout": {"num_generations": 8, "max_new_tokens": 512},
+            "data": {"train_file": str(rows), "eval_size": 4}}
+
+    def plan(doc, name):
+        (tmp_path / name).write_text(json.dumps(doc))
+        return CliRunner().invoke(app, ["plan", str(tmp_path / name), "--model", str(model_dir), "--gpu-gib", "8"],
+                                  terminal_width=200)
+
+    from typer.testing import CliRunner
+
+    from qerl.cli import app
+
+    as_body, as_spec = plan(body, "body.json"), plan(spec, "spec.json")
+    assert as_body.exit_code == 0 and as_spec.exit_code == 0, (as_body.output, as_spec.output)
+    assert as_body.output == as_spec.output and "the job's longest prompt" in as_body.output, as_body.output
+    assert "32 rollouts of" in " ".join(as_body.output.split()), as_body.output  # 4 prompts x 8 samples
+
+    uploaded = plan(body | {"training_file": "file-abc123"}, "uploaded.json")
+    out = " ".join(uploaded.output.split())
+    assert uploaded.exit_code == 0 and "file-abc123 is not a file here" in out, out
+    assert f"32 rollouts of {TrainSpec().data.max_prompt_tokens} + 512" in out, out  # the field's default
+
+    for doc, field in ((body | {"model": "ft:smollm2-135m-instruct:acme:abc123"}, "model"),
+                       (body | {"surprise": 1}, "surprise"),
+                       (body | {"method": {"type": "supervised"}}, "method.type")):
+        res = plan(doc, "bad.json")
+        assert res.exit_code == 2 and field in res.output, res.output
