@@ -2,7 +2,9 @@
 
 SPEC is an engine TrainSpec (as `qerl train` takes) or a job body (as `qerl jobs create` takes and
 POST /v1/fine_tuning/jobs receives), JSON or YAML; a body becomes the TrainSpec the service would
-run, with a local JSONL path standing for an uploaded file's id. The same plan (engine.memory_plan) a GPU job with native rollouts makes before its first step, from
+run, with a local JSONL path standing for an uploaded file's id.
+
+The same plan (engine.memory_plan) a GPU job with native rollouts makes before its first step, from
 the model's config.json alone (a local directory, a config.json, a registry name, or a Hugging Face
 repo whose config.json is fetched): what it will hold, the batch sizes that fit ``--gpu-gib`` (the
 spec's, or lowered as the job would lower them), or why nothing fits. The base is counted from the
