@@ -117,6 +117,31 @@ def test_refresh_copies_the_live_weights_exactly():
     assert checked == 2 * 7
 
 
+def test_a_rebuilt_engine_lets_the_old_one_go_before_it_allocates(monkeypatch):
+    """engine_for rebuilds the cached engine when a call needs more rows or a longer KV cache; the
+    old engine (KV cache, graphs) must be gone before the new one allocates, or a rebuild's peak is
+    both engines' memory (which the memory plan does not count). Kept when it is big enough."""
+    import weakref
+
+    from engine.rollout import cuda_graph
+
+    m = _model("nvfp4")
+    small = cuda_graph.engine_for(m, max_batch=2, max_len=64)
+    assert cuda_graph.engine_for(m, max_batch=2, max_len=32) is small  # big enough: kept
+    old, alive_at_build = weakref.ref(small), []
+    del small
+    real_init = cuda_graph.GraphRollout.__init__
+
+    def init(self, *args, **kwargs):
+        alive_at_build.append(old() is not None)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(cuda_graph.GraphRollout, "__init__", init)
+    bigger = cuda_graph.engine_for(m, max_batch=4, max_len=128)
+    assert alive_at_build == [False] and (bigger.max_batch, bigger.max_len) == (4, 128)
+    assert m._graph_rollout is bigger
+
+
 def test_cpu_engine_cancel_and_length_checks():
     m = _model("bf16", lora=False)
     tok = NumberTokenizer()

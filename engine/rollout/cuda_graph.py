@@ -42,6 +42,7 @@ On CPU (tests) the same code runs eagerly with TorchOps and dense fused weights.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -820,11 +821,14 @@ def kv_len(tokens: int) -> int:
 
 def engine_for(model: nn.Module, *, max_batch: int = 64, max_len: int = 2048, **kwargs) -> GraphRollout:
     """The model's cached engine, rebuilt when it is too small for (max_batch, max_len) or
-    the LoRA modules changed."""
+    the LoRA modules changed. The old engine (its KV cache, graphs and their memory pools) is let
+    go before the new one allocates, so a rebuild never holds both."""
     eng = getattr(model, "_graph_rollout", None)
     loras = tuple(id(m) for m in model.modules() if isinstance(m, LoRALinear))
     if eng is None or eng.max_batch < max_batch or eng.max_len < max_len or eng._loras != loras or kwargs:
-        model._graph_rollout = None
+        if eng is not None:
+            model._graph_rollout = eng = None
+            gc.collect()  # in case anything of it is held in a reference cycle
         eng = GraphRollout(model, max_batch=max_batch, max_len=max_len, **kwargs)
         eng._loras = loras
         model._graph_rollout = eng
