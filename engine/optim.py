@@ -18,7 +18,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from engine.spec import OptimSpec
 
 
-def _bitsandbytes_adamw():
+def bitsandbytes_adamw():
     """bitsandbytes' AdamW8bit class, or None when the library is missing or cannot load."""
     try:
         import bitsandbytes as bnb  # noqa: PLC0415 - optional dependency
@@ -33,7 +33,7 @@ def uses_eight_bit(spec: OptimSpec, device: torch.device | str) -> bool:
     on_cuda = torch.device(device).type == "cuda"
     if spec.eight_bit is False:
         return False
-    available = on_cuda and _bitsandbytes_adamw() is not None
+    available = on_cuda and bitsandbytes_adamw() is not None
     if spec.eight_bit and not available:
         raise ValueError("optim.eight_bit is true but bitsandbytes AdamW8bit needs the bitsandbytes package "
                          "and a CUDA device; install bitsandbytes or set optim.eight_bit to null/false")
@@ -46,7 +46,7 @@ def build_optimizer(params: Iterable[Tensor], spec: OptimSpec, device: torch.dev
         raise ValueError("no trainable parameters: the adapter has none (check lora.target_modules)")
     kwargs = dict(lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay)
     if uses_eight_bit(spec, device):
-        return _bitsandbytes_adamw()(params, **kwargs)
+        return bitsandbytes_adamw()(params, **kwargs)
     fused = torch.device(device).type == "cuda" and all(p.is_cuda and p.is_floating_point() for p in params)
     return torch.optim.AdamW(params, fused=fused or None, **kwargs)
 

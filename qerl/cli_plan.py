@@ -152,9 +152,9 @@ def load_plan_spec(path: Path):
 def _eight_bit(spec) -> bool:
     if spec.optim.eight_bit is not None:
         return bool(spec.optim.eight_bit)
-    from engine.optim import _bitsandbytes_adamw
+    from engine.optim import bitsandbytes_adamw
 
-    return _bitsandbytes_adamw() is not None  # where the job runs it may differ: say so with --eight-bit
+    return bitsandbytes_adamw() is not None  # where the job runs it may differ: say so with --eight-bit
 
 
 def plan_cmd(
