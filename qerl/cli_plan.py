@@ -109,7 +109,7 @@ def spec_from_body(body: dict):
     from pydantic import ValidationError
 
     from engine.spec import TrainSpec
-    from service.errors import APIError
+    from service.errors import APIError, loc_to_param
     from service.jobspec import build_spec
     from service.schemas import JobCreate
 
@@ -120,8 +120,8 @@ def spec_from_body(body: dict):
     try:
         request = JobCreate.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        raise ValueError(f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}") from None
+        first = exc.errors()[0]  # the field named as the API names it (its loc is the request body's)
+        raise ValueError(f"{loc_to_param(('body', *first['loc']))}: {first['msg']}") from None
 
     def lookup_file(file_id: str):
         path = Path(file_id).expanduser()
@@ -192,12 +192,11 @@ def plan_cmd(
         raise typer.BadParameter(str(exc), param_hint="--model") from None
     if prompt_tokens is None:
         prompt_tokens, where = spec.data.max_prompt_tokens, "data.max_prompt_tokens"
-        tokenizer_dir = local_model_dir(model or spec.model)
         elsewhere = [f for f in (spec.data.train_file, spec.data.validation_file) if f and not Path(f).is_file()]
         if elsewhere:
             console.print(f"[yellow]prompts taken at data.max_prompt_tokens: {elsewhere[0]} is not a file here "
                           "(give the JSONL's path to read its prompts)[/]")
-        elif tokenizer_dir is not None:
+        elif (tokenizer_dir := local_model_dir(model or spec.model)) is not None:
             from engine.types import TrainError
 
             try:

@@ -62,7 +62,7 @@ def error_response(status: int, message: str, code: str | None = None, param: st
     return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
 
 
-def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
+def loc_to_param(loc: tuple[Any, ...]) -> str | None:
     """('body', 'method', 'reinforcement', 'grader') -> 'method.reinforcement.grader'; union-member
     tags pydantic adds (``literal['auto']``, ``int``) are dropped."""
     parts = [str(p) for p in loc[1:] if re.fullmatch(r"[A-Za-z_][\w-]*|\d+", str(p))]
@@ -81,7 +81,7 @@ def _validation_response(exc: RequestValidationError) -> JSONResponse:
         detail = first.get("ctx", {}).get("error", "")
         return error_response(400, f"The request body is not valid JSON ({detail}). Send a JSON object with "
                                    "Content-Type: application/json.", code="invalid_json")
-    param = _loc_to_param(tuple(first.get("loc", ())))
+    param = loc_to_param(tuple(first.get("loc", ())))
     if param is None and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
         return error_response(400, "The request body must be a JSON object sent with Content-Type: "
                                    "application/json.", code="invalid_json")
