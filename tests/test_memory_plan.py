@@ -260,14 +260,14 @@ def test_qerl_plan_takes_a_job_body_as_the_service_would_run_it(tmp_path):
             "rollout": {"num_generations": 8, "max_new_tokens": 512},
             "data": {"train_file": str(rows), "eval_size": 4}}
 
+    from typer.testing import CliRunner
+
+    from qerl.cli import app
+
     def plan(doc, name):
         (tmp_path / name).write_text(json.dumps(doc))
         return CliRunner().invoke(app, ["plan", str(tmp_path / name), "--model", str(model_dir), "--gpu-gib", "8"],
                                   terminal_width=200)
-
-    from typer.testing import CliRunner
-
-    from qerl.cli import app
 
     as_body, as_spec = plan(body, "body.json"), plan(spec, "spec.json")
     assert as_body.exit_code == 0 and as_spec.exit_code == 0, (as_body.output, as_spec.output)
