@@ -625,10 +625,17 @@ class _Run:
         else:
             adapter, final = self._write_adapter(stopped=False), self._final_metrics()
         self.reporter.event("info", f"Training finished: {self.step} steps in {self._elapsed():.0f} s; "
-                                    f"eval accuracy {self.initial_eval.get('eval/accuracy', float('nan')):.3f} -> "
-                                    f"{final.get('eval/accuracy', float('nan')):.3f}",
+                                    f"{self._eval_summary(final)}",
                             {"steps": self.step, "adapter_dir": str(adapter), **final})
         return TrainResult(adapter_dir=adapter, steps=self.step, metrics=final, stopped=False)
+
+    def _eval_summary(self, final: dict[str, float]) -> str:
+        """How the held-out prompts scored at the start and at the end, or that none were held out."""
+        if "eval/accuracy" not in final:
+            return "no held-out evaluation (data.eval_size is 0 and there is no validation_file)"
+        start = self.initial_eval.get("eval/accuracy")
+        before = f"{start:.3f} -> " if start is not None else ""
+        return f"held-out accuracy {before}{final['eval/accuracy']:.3f}"
 
     def _take_best(self) -> tuple[Path, dict[str, float]]:
         """final_adapter=best_eval: the job's adapter (``<workdir>/adapter``, replaced whole) is the

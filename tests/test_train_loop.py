@@ -269,6 +269,8 @@ def test_a_gpu_memory_cap_does_not_apply_on_cpu(tiny_dir, tmp_path):
                       {"max_gpu_memory_gib": 0.01, "applied": False})], rep.events
     start = next(d for _, m, d in rep.events if m.startswith("Training"))
     assert start["device"] == "cpu" and "max_gpu_memory_gib" not in start
+    end = next(m for _, m, _ in rep.events if m.startswith("Training finished"))  # nothing held out: no nan
+    assert end.endswith("; no held-out evaluation (data.eval_size is 0 and there is no validation_file)"), end
 
 
 def test_the_gpu_memory_cap_with_torch_cuda_faked(tiny_dir, tmp_path, monkeypatch):
@@ -504,6 +506,9 @@ def test_final_adapter_best_eval_keeps_the_best_evaluated_steps_lora(tiny_model_
     assert mine.keys() == kept.keys() and all(torch.equal(mine[k], kept[k]) for k in mine)
     assert not (work / "best-adapters").exists()
     assert any(f"adapter is the LoRA of step {best[0]}" in m for _, m, _ in rep.events)
+    end = next(m for _, m, _ in rep.events if m.startswith("Training finished"))
+    first = next(v["eval/accuracy"] for step, v in rep.steps if step == 0 and "eval/accuracy" in v)
+    assert end.endswith(f"; held-out accuracy {first:.3f} -> {result.metrics['eval/accuracy']:.3f}"), end
 
     # stopped after step 2 and resumed: the same choice (the best so far travels in the checkpoint)
     def stop_after_two() -> bool:
