@@ -284,6 +284,10 @@ def jobs_checkpoints(job_id: str,
         ckpts = sorted(client.checkpoints(job_id), key=lambda c: c["step_number"])
     if as_json:
         return _print_json(ckpts)
+    if not ckpts:
+        out.print(f"no checkpoints for {job_id} (a job saves one every qerl.checkpoint_interval steps, 5 unless "
+                  "set, and when it pauses)")
+        return
     table = Table("step", "id", "reward", "eval reward", "saved", "LoRA")
     for c in ckpts:
         reward, held_out = (c["metrics"].get(k) for k in ("reward_mean", "eval/reward_mean"))
@@ -291,8 +295,7 @@ def jobs_checkpoints(job_id: str,
         table.add_row(str(c["step_number"]), c["id"], _number(reward), _number(held_out), _when(c["created_at"]),
                       f"kept ({kept / 2**20:.1f} MiB)" if kept is not None else "while on disk")
     out.print(table)
-    if ckpts:
-        out.print(f"[dim]download one: qerl adapters download {job_id} --checkpoint STEP[/]")
+    out.print(f"[dim]download one: qerl adapters download {job_id} --checkpoint STEP[/]")
 
 
 @jobs_app.command("samples")

@@ -235,6 +235,8 @@ def test_adapters_delete_by_model_name_and_by_id(qerl_server: Served) -> None:
         assert created.returncode == 0, (created.stdout, created.stderr)
         job_id = re.search(r"Job (ftjob-\w+) succeeded", created.stdout).group(1)
         made.append(httpx.get(f"{qerl_server.url}/v1/fine_tuning/jobs/{job_id}", headers=qerl_server.headers).json())
+    none = qerl_server.qerl("jobs", "checkpoints", made[0]["id"])  # one step, none saved: said, not an empty table
+    assert none.returncode == 0 and none.stdout.startswith(f"no checkpoints for {made[0]['id']} ("), none.stdout
     by_name, by_id = made[0]["fine_tuned_model"], made[1]["qerl"]["adapter_id"]
     for target in (by_name, by_id):
         gone = qerl_server.qerl("adapters", "delete", target)
