@@ -217,6 +217,7 @@ class _Run:
             raise
         except (ValueError, FileNotFoundError) as exc:
             raise TrainError("invalid_dataset", str(exc)) from None
+        self._check_item_fields(train_ex, eval_ex)
         self.prompt_framing = training_framing(spec.data, train_ex)
         try:
             # bf16 values throughout; held in fp32 on a CPU without a bf16 fast path (compute_dtype)
@@ -257,6 +258,33 @@ class _Run:
         }
         self.rollout = make_rollout_backend(r, self.model, self.tokenizer, workdir=self.workdir / "rollout",
                                             max_model_len=spec.data.max_prompt_tokens + r.max_new_tokens)
+
+    def _check_item_fields(self, train_ex: list[Any], eval_ex: list[Any]) -> None:
+        """Every row the grader will score has the item fields it reads; a row without one would
+        end the job at its first rollout, after the model loaded."""
+        from engine.data.jsonl import field_counts, missing_item_fields
+
+        needed, data = self.grader.item_fields, self.spec.data
+        if not needed:
+            return
+        if data.dataset is not None:
+            parts = [("data.dataset", train_ex + eval_ex)]
+        elif data.validation_file is not None:
+            parts = [("data.train_file", train_ex), ("data.validation_file", eval_ex)]
+        else:
+            parts = [("data.train_file", train_ex + eval_ex)]
+        for where, examples in parts:
+            counts = field_counts(ex.item for ex in examples)
+            if counts is None:  # free-form keys: count only what the grader reads
+                counts = {name: sum(name in ex.item for ex in examples) for name in needed}
+            first: dict[str, int] = {}
+            for ex in examples:
+                for name in needed:
+                    if name not in ex.item and ex.line is not None:
+                        first[name] = min(first.get(name, ex.line), ex.line)
+            problem = missing_item_fields(needed, counts, len(examples), where, first)
+            if problem:
+                raise TrainError("invalid_dataset", problem)
 
     # -- the memory plan (engine.memory_plan): native rollouts on a GPU ----------------------
     def _memory_limit(self) -> int:

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from engine import registry
 from engine.data.builtin import check_dataset
+from engine.data.jsonl import missing_item_fields
 from engine.rewards import Grader, build_grader
 from engine.spec import LORA_SHAPE, TrainSpec, same_lora_value
 from engine.types import TrainError
@@ -191,7 +192,7 @@ def build_spec(body: JobCreate, lookup_file: Callable[[str], File | None],
         raise _invalid("training_file", "give exactly one of training_file (an uploaded JSONL file id) or "
                                         "qerl.dataset (a built-in task, e.g. {\"source\": \"reasoning_gym\", "
                                         "\"task\": \"products\"})", code="missing_required")
-    rows = None
+    rows, files = None, []
     for param, file_id in (("training_file", body.training_file), ("validation_file", body.validation_file)):
         if file_id is None:
             continue
@@ -204,14 +205,21 @@ def build_spec(body: JobCreate, lookup_file: Callable[[str], File | None],
                                   "purpose=fine-tune")
         data["train_file" if param == "training_file" else "validation_file"] = f.path
         rows = f.rows if param == "training_file" else rows
+        files.append((param, file_id, f))
     grader = body.method.reinforcement.grader if body.method and body.method.reinforcement else None
     if grader is None and body.training_file is not None:
         raise _invalid("method.reinforcement.grader", "a training_file needs a grader: set method = {\"type\": "
                        "\"reinforcement\", \"reinforcement\": {\"grader\": {...}}} (e.g. a string_check grader)",
                        code="missing_required")
     if grader is not None:
-        check_grader(grader, "method.reinforcement.")
+        built = check_grader(grader, "method.reinforcement.")
         d["grader"] = grader
+        for param, file_id, f in files:  # fields counted at upload (None: not counted, the worker checks)
+            counts = getattr(f, "fields", None)
+            problem = counts is not None and missing_item_fields(built.item_fields, counts, f.rows,
+                                                                 f"{param} {file_id}")
+            if problem:
+                raise _invalid(param, problem)
     came_from = _hyper(body, d, qerl, rows)
     d["model"] = entry.name
     d["seed"] = body.seed if body.seed is not None else secrets.randbelow(2**31)

@@ -57,6 +57,9 @@ class File(Base):
     sha256: Mapped[str] = mapped_column(String(64))
     path: Mapped[str] = mapped_column(Text)  # relative to ARTIFACT_DIR
     rows: Mapped[int] = mapped_column(Integer, default=0)
+    # top-level field -> rows that have it (engine.data.jsonl.field_counts); None: not counted (free-form
+    # keys, a results file, or uploaded before it was kept)
+    fields: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     status: Mapped[str] = mapped_column(String(16), default="processed")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     deleted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)

@@ -161,6 +161,33 @@ def test_a_training_file_no_larger_than_the_eval_set_is_refused_at_create(client
     assert job_count(db_sessions, key_a.project) == 2
 
 
+def test_a_file_whose_rows_lack_a_field_the_grader_reads_is_refused_at_create(client, key_a, db_sessions):
+    """Each upload's top-level fields are counted: a grader reading {{item.answer}} of a file some of
+    whose rows lack it is a 422 naming the file, how many rows have it and the fields they have (a
+    typo on either side shows), not a job that fails at its first rollout; checked for the
+    validation file too; a grader that does not read the field takes the same file."""
+    rows = training_rows(40)
+    typo = [{"answr" if k == "answer" else k: v for k, v in r.items()} if i in (4, 11) else r
+            for i, r in enumerate(rows)]
+    bad = upload(client, key_a, jsonl(typo)).json()["id"]
+    good = upload(client, key_a, jsonl(rows)).json()["id"]
+    err = assert_error(client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=body(bad)), 422,
+                       param="training_file")
+    assert err["message"] == (f"training_file {bad}: the grader reads fields every row must have: item.answer is "
+                              "in 38 of 40 rows; the rows' fields are answer, answr, messages. Add 'answer' to every "
+                              "row, or change the grader's templates"), err
+    err = assert_error(client.post("/v1/fine_tuning/jobs", headers=key_a.headers,
+                                   json=body(good, validation_file=bad)), 422, param="validation_file")
+    assert err["message"].startswith(f"validation_file {bad}: "), err
+    assert job_count(db_sessions, key_a.project) == 0
+    literal = {**STRING_CHECK, "reference": "4"}
+    method = {"type": "reinforcement", "reinforcement": {"grader": literal}}
+    resp = client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=body(bad, method=method))
+    assert resp.status_code == 200, resp.text
+    resp = client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=body(good, validation_file=good))
+    assert resp.status_code == 200, resp.text
+
+
 @pytest.mark.parametrize("req,status,param", BAD, ids=[f"{i}-{b[1]}-{b[2]}" for i, b in enumerate(BAD)])
 def test_bad_requests_answer_openai_errors_and_create_nothing(client, key_a, db_sessions, req, status, param):
     if isinstance(req, bytes):

@@ -9,7 +9,7 @@ import pytest
 from engine.data import Example, load_examples, split_eval
 from engine.data.builtin import check_dataset
 from engine.data.demo import DEMO_SPEC
-from engine.data.jsonl import validate_jsonl
+from engine.data.jsonl import MAX_FIELD_NAMES, field_counts, missing_item_fields, validate_jsonl
 from engine.data.prompts import SYSTEM_PROMPT, training_framing
 from engine.rewards import build_grader
 from engine.spec import DataSpec, TrainSpec
@@ -60,6 +60,29 @@ def test_long_lines_empty_files_and_error_cap():
     assert validate_jsonl(b"\n  \n")[1][0].startswith("the file is empty")
     rows, errors = validate_jsonl(b"nope\n" * 30, max_errors=5)
     assert rows == 0 and len(errors) == 6 and errors[4].startswith("line 5: ") and errors[5] == "... and 25 more invalid lines"
+
+
+def test_field_counts_and_what_a_grader_misses():
+    """Top-level fields counted over random rows against a direct count; a grader's item fields
+    missing from some rows are named with their counts, the first line without them and the fields
+    the rows have; rows of free-form keys are not counted."""
+    rng = random.Random()
+    names = ["prompt", "answer", "answr", "level", "meta"]
+    rows = [{n: i for n in names if rng.random() < 0.6} for i in range(rng.randint(5, 40))]
+    counts = field_counts(rows)
+    assert counts == {n: sum(n in r for r in rows) for n in names if any(n in r for r in rows)}
+    assert field_counts([{f"k{i}": 1} for i in range(MAX_FIELD_NAMES + 1)]) is None
+    assert field_counts([{f"k{i}": 1} for i in range(MAX_FIELD_NAMES)]) is not None
+
+    counts = {"prompt": 5, "answr": 2, "answer": 3, "level": 5}
+    assert missing_item_fields({"answer", "level"} - {"answer"}, counts, 5, "f") is None
+    assert missing_item_fields(set(), counts, 5, "f") is None
+    text = missing_item_fields({"level", "answer", "why"}, counts, 5, "training_file f", {"answer": 2})
+    assert text == ("training_file f: the grader reads fields every row must have: item.answer is in 3 of 5 rows "
+                    "(the first without it: line 2), item.why is in 0 of 5 rows; the rows' fields are answer, "
+                    "answr, level, prompt. Add 'answer', 'why' to every row, or change the grader's templates")
+    many = {f"f{i:02d}": 1 for i in range(25)}
+    assert "f19, ... (25 in all). Add 'x'" in missing_item_fields({"x"}, many, 1, "w")
 
 
 def test_prompt_rows_get_format_instruction_and_one_shot(tmp_path):

@@ -237,6 +237,33 @@ def test_bad_rows_name_their_line(tiny_dir, tmp_path):
     assert err.value.code == "invalid_dataset"
 
 
+def test_rows_without_a_field_the_grader_reads_fail_before_the_model_loads(tiny_dir, tmp_path, monkeypatch):
+    """A grader reading {{item.answer}} over rows some of which lack it would end the job at the
+    first rollout that draws one; the job fails at once instead, naming the file, how many rows have
+    the field, the first line without it and the fields the rows do have (a typo shows), before any
+    weights load; a validation file is checked on its own."""
+    import engine.model
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the rows were checked")
+
+    monkeypatch.setattr(engine.model, "load_model", no_model)
+    lines = write_rows(tmp_path / "d.jsonl").read_text().splitlines()
+    for i in (6, 9):  # lines 7 and 10
+        lines[i] = json.dumps({"prompt": f"Say e {i}", "answr": "e"})
+    (tmp_path / "typo.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(TrainError) as err:
+        train(make_spec(tiny_dir, tmp_path / "typo.jsonl"), workdir=tmp_path / "r1", reporter=NullReporter(),
+              should_stop=lambda: False)
+    assert err.value.code == "invalid_dataset"
+    assert str(err.value).startswith("data.train_file: the grader reads fields every row must have: item.answer "
+                                     "is in 10 of 12 rows (the first without it: line 7); the rows' fields are "
+                                     "answer, answr, prompt."), err.value
+    spec = make_spec(tiny_dir, write_rows(tmp_path / "ok.jsonl"), data={"validation_file": str(tmp_path / "typo.jsonl")})
+    with pytest.raises(TrainError, match=r"^data\.validation_file: .*item\.answer is in [0-9]+ of 2 rows") as err:
+        train(spec, workdir=tmp_path / "r2", reporter=NullReporter(), should_stop=lambda: False)
+
+
 def test_max_runtime_checkpoints_then_fails(tiny_dir, tmp_path):
     spec = make_spec(tiny_dir, write_rows(tmp_path / "d.jsonl"), max_runtime_s=1e-3, data={"eval_size": 0})
     with pytest.raises(TrainError) as err:

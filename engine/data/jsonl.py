@@ -7,11 +7,12 @@ Blank lines are skipped; a UTF-8 byte-order mark at the start is ignored.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Iterable, Mapping
 
 ROLES = ("system", "developer", "user", "assistant")
 MAX_LINE_BYTES = 1 << 20
 MAX_DEPTH = 32
+MAX_FIELD_NAMES = 256  # distinct top-level fields counted per file; past it, none are kept
 
 
 def validate_jsonl(data: bytes, *, max_errors: int = 20, max_line_bytes: int = MAX_LINE_BYTES,
@@ -51,6 +52,35 @@ def parse_jsonl_lines(data: bytes, *, max_errors: int = 20, max_line_bytes: int 
     if not rows and not errors:
         errors.append("the file is empty: upload one JSON object per line, e.g. {\"prompt\": \"...\", \"answer\": \"...\"}")
     return rows, errors
+
+
+def field_counts(rows: Iterable[Mapping[str, Any]]) -> dict[str, int] | None:
+    """How many rows have each top-level field (what ``{{item.<field>}}`` reads), or None for rows
+    of more than MAX_FIELD_NAMES distinct fields (free-form keys: nothing to check them by)."""
+    counts: dict[str, int] = {}
+    for row in rows:
+        for name in row:
+            counts[name] = counts.get(name, 0) + 1
+        if len(counts) > MAX_FIELD_NAMES:
+            return None
+    return counts
+
+
+def missing_item_fields(needed: Iterable[str], counts: Mapping[str, int], rows: int, where: str,
+                        first_line: Mapping[str, int] | None = None) -> str | None:
+    """Why ``rows`` rows with these field counts cannot serve a grader that reads the item fields
+    ``needed`` (it would fail at its first such row, mid-training), or None when every row has them.
+    ``first_line`` names, per field, the first line without it."""
+    short = sorted(name for name in needed if counts.get(name, 0) < rows)
+    if not short:
+        return None
+    lacking = ", ".join(f"item.{name} is in {counts.get(name, 0)} of {rows} rows"
+                        + (f" (the first without it: line {first_line[name]})" if first_line and name in first_line else "")
+                        for name in short)
+    names = sorted(counts)
+    have = ", ".join(names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
+    return (f"{where}: the grader reads fields every row must have: {lacking}; the rows' fields are {have}. "
+            f"Add {', '.join(repr(n) for n in short)} to every row, or change the grader's templates")
 
 
 def _check_line(raw: bytes, max_line_bytes: int, max_depth: int) -> tuple[str | None, dict | None]:

@@ -9,7 +9,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
 from starlette.datastructures import UploadFile
 
-from engine.data.jsonl import validate_jsonl
+from engine.data.jsonl import field_counts, parse_jsonl
 from service import crud
 from service.auth import CurrentKey
 from service.deps import ReleasingRoute, SessionDep, SettingsDep, StoreDep
@@ -61,7 +61,7 @@ async def upload_file(request: Request, key: CurrentKey, session: SessionDep, se
 
 def _save(project: str, filename: str, purpose: str, staged, session) -> FileObject:  # type: ignore[no-untyped-def]
     try:
-        rows, errors = validate_jsonl(staged.tmp.read_bytes())
+        rows, errors = parse_jsonl(staged.tmp.read_bytes())
         if errors:
             raise APIError(400, f"{filename} is not a valid JSONL training file: {'; '.join(errors)}. "
                                 "Fix these lines and upload again.", code="invalid_file_format", param="file")
@@ -72,8 +72,8 @@ def _save(project: str, filename: str, purpose: str, staged, session) -> FileObj
         raise
     try:
         row = crud.add_file(session, File(id=file_id, project=project, filename=filename, purpose=purpose,
-                                          bytes=blob.bytes, sha256=blob.sha256, path=blob.path, rows=rows,
-                                          status="processed"))
+                                          bytes=blob.bytes, sha256=blob.sha256, path=blob.path, rows=len(rows),
+                                          fields=field_counts(rows), status="processed"))
         session.commit()
     except BaseException:
         session.rollback()
