@@ -89,11 +89,15 @@ def _validation_response(exc: RequestValidationError) -> JSONResponse:
         msg = f"Missing required parameter: {param!r}."
     elif first.get("type") == "extra_forbidden":
         msg = f"Unrecognized request argument supplied: {param!r}. Remove it (or put qerl options under 'qerl')."
-    else:
+    else:  # a union's members each fail at the same field: one message that names every form it takes
+        here = [e for e in errors if loc_to_param(tuple(e.get("loc", ()))) == param]
+        wants = list(dict.fromkeys(str(e.get("msg", "invalid")) for e in here))
+        said = " or ".join([wants[0]] + [w.removeprefix("Input should be ") for w in wants[1:]])
         got = json.dumps(first.get("input"), default=str)[:200]
-        msg = f"Invalid value for {param!r}: {first.get('msg', 'invalid')} (got {got})."
-    if len(errors) > 1:
-        msg += f" ({len(errors) - 1} more error(s) in this request.)"
+        msg = f"Invalid value for {param!r}: {said} (got {got})."
+    others = {loc_to_param(tuple(e.get("loc", ()))) for e in errors} - {param}  # fields, not union members
+    if others:
+        msg += f" ({len(others)} more error(s) in this request.)"
     return error_response(422, msg, code="invalid_value" if first.get("type") != "missing" else "missing_required",
                           param=param)
 

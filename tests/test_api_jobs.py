@@ -202,6 +202,23 @@ def test_bad_requests_answer_openai_errors_and_create_nothing(client, key_a, db_
     assert job_count(db_sessions, key_a.project) == 0
 
 
+def test_a_value_no_form_of_a_field_accepts_is_one_message_naming_every_form(client, key_a, db_sessions):
+    """batch_size takes an integer or "auto": a value that is neither names both (pydantic reports one
+    error per form), and only errors at other fields count as more errors."""
+    def create(hyper: dict) -> dict:
+        method = {"type": "reinforcement", "reinforcement": {"grader": STRING_CHECK, "hyperparameters": hyper}}
+        resp = client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json={"model": MODEL, "method": method,
+                                                                                 "qerl": {"dataset": RG}})
+        return assert_error(resp, 422, param="method.reinforcement.hyperparameters.batch_size")
+
+    err = create({"batch_size": "big"})
+    assert err["message"] == ("Invalid value for 'method.reinforcement.hyperparameters.batch_size': Input should be "
+                              "'auto' or a valid integer (got \"big\")."), err
+    err = create({"batch_size": "big", "n_epochs": "many"})
+    assert err["message"].endswith("(got \"big\"). (1 more error(s) in this request.)"), err
+    assert job_count(db_sessions, key_a.project) == 0
+
+
 def test_training_file_of_another_project_is_unknown(client, key_a, key_b, file_id, db_sessions):
     err = assert_error(client.post("/v1/fine_tuning/jobs", headers=key_b.headers, json=body(file_id)), 422,
                        param="training_file", code="file_not_found")
