@@ -5,8 +5,8 @@ POST /v1/fine_tuning/jobs receives), JSON or YAML; a body becomes the TrainSpec 
 run, with a local JSONL path standing for an uploaded file's id.
 
 The same plan (engine.memory_plan) a GPU job with native rollouts makes before its first step, from
-the model's config.json alone (a local directory, a config.json, a registry name, or a Hugging Face
-repo whose config.json is fetched): what it will hold, the batch sizes that fit ``--gpu-gib`` (the
+the model's config.json alone (a local directory, a config.json, a registry name, a Hugging Face
+repo whose config.json is fetched, or one of Qwen2.5's 7B-72B shapes by name: ``qwen2.5-32b``): what it will hold, the batch sizes that fit ``--gpu-gib`` (the
 spec's, or lowered as the job would lower them), or why nothing fits. The base is counted from the
 shapes (a running job measures it); the longest prompt is the job's own where its data and the
 model's tokenizer are on this machine, else data.max_prompt_tokens, unless ``--prompt-tokens``
@@ -60,10 +60,14 @@ def model_config(name: str):
     local = _local_dir(name)
     if local is not None:
         return ModelConfig.from_dir(local)
+    from engine.model.shapes import ALIASES, SHAPES, shape_config
+
+    if name.lower() in SHAPES or name.lower() in ALIASES:  # Qwen2.5's public shapes, offline
+        return shape_config(name)
     repo = _source(name)
     if "/" not in repo:
-        raise ValueError(f"{name!r} is not a model directory, a config.json, a registry name or a Hugging Face "
-                         f"repo id (owner/name)")
+        raise ValueError(f"{name!r} is not a model directory, a config.json, a registry name, a Hugging Face "
+                         f"repo id (owner/name) or a Qwen2.5 shape ({', '.join(SHAPES)})")
     from huggingface_hub import hf_hub_download
 
     try:
@@ -162,8 +166,9 @@ def plan_cmd(
                                      "(as `qerl jobs create` takes), JSON or YAML"),
     gpu_gib: Optional[float] = typer.Option(None, "--gpu-gib", help="GiB the job may use (default: this machine's "
                                             "GPU 0, or the spec's max_gpu_memory_gib)"),
-    model: Optional[str] = typer.Option(None, "--model", help="the model's directory, config.json, registry name or "
-                                        "Hugging Face repo (default: the spec's model)"),
+    model: Optional[str] = typer.Option(None, "--model", help="the model's directory, config.json, registry name, "
+                                        "Hugging Face repo or Qwen2.5 shape, e.g. qwen2.5-32b (default: the spec's "
+                                        "model)"),
     prompt_tokens: Optional[int] = typer.Option(None, "--prompt-tokens", min=1,
                                                 help="the longest prompt in tokens (default: the job's data through "
                                                      "the model's tokenizer where both are here, else "

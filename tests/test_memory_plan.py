@@ -190,6 +190,9 @@ def test_qerl_plan_gives_a_72b_jobs_batches_for_an_80_gib_card(tmp_path):
     assert "fits 80 GiB with micro_batch_size 4 and rollouts of 32 sequences at a time" in out, out
     assert "micro_batch_size 8 -> 4, rollout sub-batches 64 -> 32" in out, out
     assert f"KV cache │ {p.held['KV cache'] / mp.GIB:.2f}" in out and f"{p.peak / mp.GIB:.2f}" in out, out
+    by_name = _plan_cli(tmp_path, "--model", "qwen2.5-72b", "--gpu-gib", "80", "--no-eight-bit")  # offline
+    assert by_name.exit_code == 0 and "qwen2.5-72b: nvfp4 base" in by_name.output, by_name.output
+    assert by_name.output[by_name.output.index("┏"):] == res.output[res.output.index("┏"):]  # the same plan
 
 
 def test_qerl_plan_says_what_does_not_fit_and_what_it_needs(tmp_path):
