@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 import tempfile
 from datetime import datetime
@@ -20,14 +21,25 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
-from rich.table import Table
+from rich.table import Column, Table
 
 from qerl.client import Client, QerlError
 from qerl.jobbody import build_job_body, load_spec
 from qerl.watch import follow_events, watch_job
 
-out = Console(emoji=False)  # names like ft:base:proj:fire:id hold emoji codes
+# names like ft:base:proj:fire:id hold emoji codes; piped or redirected (no terminal, no COLUMNS), lines
+# are not cut at rich's default of 80 columns, so ids in tables stay whole for grep and scripts
+out = Console(emoji=False, width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 400)
 err = Console(stderr=True, soft_wrap=True, emoji=False)
+
+WHOLE = ("id", "name", "job", "fine-tuned model")  # what a user copies into the next command
+
+
+def _table(*headers: str) -> Table:
+    """A table whose ids and names are never cut short: on a narrow terminal they fold inside their
+    cell instead of ending in an ellipsis."""
+    return Table(*(Column(h, overflow="fold") if h in WHOLE else h for h in headers))
+
 
 BaseUrl = Annotated[Optional[str], typer.Option("--base-url", envvar="QERL_BASE_URL", show_envvar=True,
                                                 help="server URL (default: the local config, else http://127.0.0.1:8000)")]
@@ -150,7 +162,7 @@ def files_list(base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJson
         files = client.files()
     if as_json:
         return _print_json(files)
-    table = Table("id", "filename", "purpose", "size", "rows", "created")
+    table = _table("id", "filename", "purpose", "size", "rows", "created")
     for f in files:
         table.add_row(f["id"], escape(f["filename"]), f["purpose"], _size(f["bytes"]),
                       str((f.get("qerl") or {}).get("rows", "")), _when(f.get("created_at")))
@@ -254,7 +266,7 @@ def jobs_list(status: Annotated[Optional[str], typer.Option(help="only jobs in t
         page = client.list_jobs(status=status, limit=limit, after=after, metadata=wanted)
     if as_json:
         return _print_json(page)
-    table = Table("id", "status", "model", "progress", "created", "fine-tuned model")
+    table = _table("id", "status", "model", "progress", "created", "fine-tuned model")
     for j in page["data"]:
         p = j["qerl"]["progress"]
         table.add_row(j["id"], _status(j["status"], j), escape(j["model"]), f"{p['step']}/{p['total_steps']}",
@@ -288,7 +300,7 @@ def jobs_checkpoints(job_id: str,
         out.print(f"no checkpoints for {job_id} (a job saves one every qerl.checkpoint_interval steps, 5 unless "
                   "set, and when it pauses)")
         return
-    table = Table("step", "id", "reward", "eval reward", "saved", "LoRA")
+    table = _table("step", "id", "reward", "eval reward", "saved", "LoRA")
     for c in ckpts:
         reward, held_out = (c["metrics"].get(k) for k in ("reward_mean", "eval/reward_mean"))
         kept = (c.get("qerl") or {}).get("adapter_bytes")
@@ -433,7 +445,7 @@ def adapters_list(base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJ
         adapters = client.adapters()
     if as_json:
         return _print_json(adapters)
-    table = Table("id", "name", "base model", "job", "size", "sha256", "created")
+    table = _table("id", "name", "base model", "job", "size", "sha256", "created")
     for a in adapters:
         table.add_row(a["id"], escape(a["name"]), escape(a["base_model"]), a["job_id"], _size(a["bytes"]),
                       a["sha256"][:12], _when(a["created_at"]))

@@ -50,6 +50,16 @@ def test_list_get_and_events(cli_job: CliJob, qerl_server: Served) -> None:
     assert cli_job.job_id in [j["id"] for j in json.loads(mine.stdout)["data"]], mine.stderr
     other = qerl_server.qerl("jobs", "list", "--metadata", "origin=elsewhere", "--json")
     assert json.loads(other.stdout)["data"] == [], other.stderr
+    piped = {k: v for k, v in qerl_server.env.items() if k != "COLUMNS"}  # stdout a pipe: not cut at 80 columns
+    for args, whole in ((("jobs", "list"), (cli_job.job_id, cli_job.job["fine_tuned_model"])),
+                        (("files", "list"), (cli_job.file_id,)),
+                        (("adapters", "list"), (cli_job.job["qerl"]["adapter_id"], cli_job.job["fine_tuned_model"]))):
+        shown = qerl_server.qerl(*args, env=piped)
+        assert shown.returncode == 0 and any(all(w in line for w in whole) for line in shown.stdout.splitlines()), \
+            shown.stdout
+    narrow = qerl_server.qerl("jobs", "list", env={**piped, "COLUMNS": "60"})  # ids fold in their cell, whole
+    column = "".join(line.split("│")[1].strip() for line in narrow.stdout.splitlines() if line.startswith("│"))
+    assert narrow.returncode == 0 and cli_job.job_id in column and "…" not in column, narrow.stdout
     got = qerl_server.qerl("jobs", "get", cli_job.job_id)
     assert got.returncode == 0 and cli_job.job["fine_tuned_model"] in got.stdout
     assert cli_job.job["qerl"]["adapter_id"] in got.stdout
