@@ -6,11 +6,11 @@ run, with a local JSONL path standing for an uploaded file's id.
 
 The same plan (engine.memory_plan) a GPU job with native rollouts makes before its first step, from
 the model's config.json alone (a local directory, a config.json, a registry name, a Hugging Face
-repo whose config.json is fetched, or one of Qwen2.5's 7B-72B shapes by name: ``qwen2.5-32b``): what it will hold, the batch sizes that fit ``--gpu-gib`` (the
-spec's, or lowered as the job would lower them), or why nothing fits. The base is counted from the
-shapes (a running job measures it); the longest prompt is the job's own where its data and the
-model's tokenizer are on this machine, else data.max_prompt_tokens, unless ``--prompt-tokens``
-gives it.
+repo whose config.json is fetched, or one of Qwen2.5's 7B-72B shapes by name: ``qwen2.5-32b``):
+what it will hold, the batch sizes that fit ``--gpu-gib`` (the spec's, or lowered as the job would
+lower them), or why nothing fits. The base is counted from the shapes (a running job measures it);
+the longest prompt is the job's own where its data and the model's tokenizer are on this machine,
+else data.max_prompt_tokens, unless ``--prompt-tokens`` gives it.
 """
 from __future__ import annotations
 

@@ -74,8 +74,9 @@ def missing_item_fields(needed: Iterable[str], counts: Mapping[str, int], rows: 
     short = sorted(name for name in needed if counts.get(name, 0) < rows)
     if not short:
         return None
+    first_line = first_line or {}
     lacking = ", ".join(f"item.{name} is in {counts.get(name, 0)} of {rows} rows"
-                        + (f" (the first without it: line {first_line[name]})" if first_line and name in first_line else "")
+                        + (f" (the first without it: line {first_line[name]})" if name in first_line else "")
                         for name in short)
     names = sorted(counts)
     have = ", ".join(names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
