@@ -260,13 +260,13 @@ class _Run:
                                             max_model_len=spec.data.max_prompt_tokens + r.max_new_tokens)
 
     def _check_item_fields(self, train_ex: list[Any], eval_ex: list[Any]) -> None:
-        """Every row the grader will score has the item fields it reads; a row without one would
-        end the job at its first rollout, after the model loaded."""
+        """Every row the grader will score has the item fields it reads and what else its graders
+        check (a reasoning_gym grader without a task: a task the row names); a row without them
+        would end the job at its first rollout, after the model loaded."""
         from engine.data.jsonl import field_counts, missing_item_fields
+        from engine.rewards.multi import leaves
 
         needed, data = self.grader.item_fields, self.spec.data
-        if not needed:
-            return
         if data.dataset is not None:
             parts = [("data.dataset", train_ex + eval_ex)]
         elif data.validation_file is not None:
@@ -282,9 +282,15 @@ class _Run:
                 for name in needed:
                     if name not in ex.item and ex.line is not None:
                         first[name] = min(first.get(name, ex.line), ex.line)
-            problem = missing_item_fields(needed, counts, len(examples), where, first)
+            problem = missing_item_fields(needed, counts, len(examples), where, first) if needed else None
             if problem:
                 raise TrainError("invalid_dataset", problem)
+            graders = list(leaves(self.grader))
+            for k, ex in sorted(enumerate(examples), key=lambda kx: (kx[1].line or 0, kx[0])):  # file order
+                problem = next(filter(None, (g.check_item(ex.item) for g in graders)), None)
+                if problem:
+                    row = f"line {ex.line}" if ex.line is not None else f"row {k + 1}"
+                    raise TrainError("invalid_dataset", f"{where} {row}: {problem}")
 
     # -- the memory plan (engine.memory_plan): native rollouts on a GPU ----------------------
     def _memory_limit(self) -> int:

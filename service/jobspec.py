@@ -23,6 +23,7 @@ from engine import registry
 from engine.data.builtin import check_dataset
 from engine.data.jsonl import missing_item_fields
 from engine.rewards import Grader, build_grader
+from engine.rewards.multi import leaves
 from engine.spec import LORA_SHAPE, TrainSpec, same_lora_value
 from engine.types import TrainError
 from service.errors import APIError
@@ -216,8 +217,10 @@ def build_spec(body: JobCreate, lookup_file: Callable[[str], File | None],
         d["grader"] = grader
         for param, file_id, f in files:  # fields counted at upload (None: not counted, the worker checks)
             counts = getattr(f, "fields", None)
-            problem = counts is not None and missing_item_fields(built.item_fields, counts, f.rows,
-                                                                 f"{param} {file_id}")
+            problem = counts is not None and (
+                missing_item_fields(built.item_fields, counts, f.rows, f"{param} {file_id}")
+                or next((f"{param} {file_id}: {p}" for p in (g.check_field_counts(counts, f.rows)
+                                                             for g in leaves(built)) if p), None))
             if problem:
                 raise _invalid(param, problem)
     came_from = _hyper(body, d, qerl, rows)

@@ -188,6 +188,35 @@ def test_a_file_whose_rows_lack_a_field_the_grader_reads_is_refused_at_create(cl
     assert resp.status_code == 200, resp.text
 
 
+def test_rows_naming_no_task_for_a_reasoning_gym_grader_without_one_are_refused_at_create(client, key_a,
+                                                                                        db_sessions):
+    """A reasoning_gym grader without a task scores each row by the task the row names: a file where
+    too few rows have a "task" (or "metadata") field for every row to name one is a 422 naming the
+    grader and the counts; the grader with a task, or rows that all name one, are accepted."""
+    rows = training_rows(40)
+    named = [{**r, "task": "products"} for r in rows]
+    some = [{**r, "task": "products"} if i % 2 else r for i, r in enumerate(rows)]
+    ids = {name: upload(client, key_a, jsonl(r)).json()["id"] for name, r in
+           (("none", rows), ("some", some), ("all", named))}
+    rg = {"type": "reasoning_gym", "name": "rg"}
+    multi = {"type": "multi", "calculate_output": "s + rg", "graders": {"s": STRING_CHECK, "rg": rg}}
+    for created, grader in enumerate((rg, multi)):
+        method = {"type": "reinforcement", "reinforcement": {"grader": grader}}
+        for name, have in (("none", 0), ("some", 20)):
+            err = assert_error(client.post("/v1/fine_tuning/jobs", headers=key_a.headers,
+                                           json=body(ids[name], method=method)), 422, param="training_file")
+            assert err["message"] == (
+                f"training_file {ids[name]}: the reasoning_gym grader 'rg' has no task, so every row must name "
+                f"one (a \"task\" field or metadata.source_dataset): {have} of 40 rows have \"task\", 0 have "
+                "\"metadata\"; set the grader's task, or give every row a task"), err
+        assert job_count(db_sessions, key_a.project) == created
+        resp = client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=body(ids["all"], method=method))
+        assert resp.status_code == 200, resp.text
+    method = {"type": "reinforcement", "reinforcement": {"grader": {**rg, "task": "products"}}}
+    resp = client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=body(ids["none"], method=method))
+    assert resp.status_code == 200, resp.text
+
+
 @pytest.mark.parametrize("req,status,param", BAD, ids=[f"{i}-{b[1]}-{b[2]}" for i, b in enumerate(BAD)])
 def test_bad_requests_answer_openai_errors_and_create_nothing(client, key_a, db_sessions, req, status, param):
     if isinstance(req, bytes):

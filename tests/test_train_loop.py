@@ -6,6 +6,7 @@ tokens per position, which gives rewards a variance to learn from.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -262,6 +263,43 @@ def test_rows_without_a_field_the_grader_reads_fail_before_the_model_loads(tiny_
     spec = make_spec(tiny_dir, write_rows(tmp_path / "ok.jsonl"), data={"validation_file": str(tmp_path / "typo.jsonl")})
     with pytest.raises(TrainError, match=r"^data\.validation_file: .*item\.answer is in [0-9]+ of 2 rows") as err:
         train(spec, workdir=tmp_path / "r2", reporter=NullReporter(), should_stop=lambda: False)
+
+
+def test_rows_a_reasoning_gym_grader_cannot_score_fail_before_the_model_loads(tiny_dir, tmp_path, monkeypatch):
+    """A reasoning_gym grader without a task scores each row by the task the row names: a row that
+    names none, or a task reasoning-gym does not have, fails the job before any weights load,
+    naming its line, inside a multi grader too; rows that all name a task train."""
+    import engine.model
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the rows were checked")
+
+    monkeypatch.setattr(engine.model, "load_model", no_model)
+    rows = [{"prompt": f"What is {i} times 3?", "answer": str(3 * i), "task": "products"} for i in range(12)]
+    rows[4] = {k: v for k, v in rows[4].items() if k != "task"}  # line 5: no task
+    rows[8]["task"] = "productz"  # line 9: a task reasoning-gym lacks
+    graders = [{"type": "reasoning_gym"},
+               {"type": "multi", "calculate_output": "0.1 * f + a",
+                "graders": {"f": {"type": "format", "pattern": "answer"}, "a": {"type": "reasoning_gym"}}}]
+    for k, grader in enumerate(graders):
+        data = tmp_path / f"d{k}.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        with pytest.raises(TrainError) as err:
+            train(dataclasses.replace(make_spec(tiny_dir, data), grader=grader), workdir=tmp_path / f"r{k}",
+                  reporter=NullReporter(), should_stop=lambda: False)
+        assert err.value.code == "invalid_dataset"
+        assert str(err.value).startswith("data.train_file line 5: reasoning_gym grader: the dataset row names no "
+                                         "task; set grader.task"), err.value
+        rows_ok = rows[:4] + rows[5:]
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows_ok))
+        with pytest.raises(TrainError, match=r"^data\.train_file line 8: unknown reasoning-gym task 'productz'"):
+            train(dataclasses.replace(make_spec(tiny_dir, data), grader=grader), workdir=tmp_path / f"s{k}",
+                  reporter=NullReporter(), should_stop=lambda: False)
+        rows_ok = rows_ok[:7] + [{**rows_ok[7], "task": "products"}] + rows_ok[8:]
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows_ok))
+        with pytest.raises(AssertionError, match="the model was loaded"):  # the rows passed
+            train(dataclasses.replace(make_spec(tiny_dir, data), grader=grader), workdir=tmp_path / f"t{k}",
+                  reporter=NullReporter(), should_stop=lambda: False)
 
 
 def test_max_runtime_checkpoints_then_fails(tiny_dir, tmp_path):

@@ -20,6 +20,16 @@ class Grader:
     def score(self, sample_text: str, item: Mapping[str, Any]) -> float:
         raise NotImplementedError
 
+    def check_item(self, item: Mapping[str, Any]) -> str | None:
+        """Why this grader cannot score samples of ``item`` (beyond a missing ``item_fields`` field),
+        or None; checked on every row before a job loads its model."""
+        return None
+
+    def check_field_counts(self, counts: Mapping[str, int], rows: int) -> str | None:
+        """What ``check_item`` would find in some row of a file whose ``rows`` rows have these
+        top-level field counts (where the counts alone tell), or None."""
+        return None
+
     def __call__(self, sample_text: str, item: Mapping[str, Any]) -> tuple[float, dict[str, float]]:
         s = float(self.score(sample_text, item))
         return s, {self.name: s}

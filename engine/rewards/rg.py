@@ -57,6 +57,23 @@ class ReasoningGymGrader(Grader):
                              "rows a \"task\" field (or metadata.source_dataset)")
         return task
 
+    def check_item(self, item: Mapping[str, Any]) -> str | None:
+        if self.task is not None:
+            return None
+        try:
+            scorer(self.task_of(item))
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    def check_field_counts(self, counts: Mapping[str, int], rows: int) -> str | None:
+        named = counts.get("task", 0) + counts.get("metadata", 0)
+        if self.task is not None or named >= rows:
+            return None
+        return (f"the reasoning_gym grader {self.name!r} has no task, so every row must name one (a \"task\" field "
+                f"or metadata.source_dataset): {counts.get('task', 0)} of {rows} rows have \"task\", "
+                f"{counts.get('metadata', 0)} have \"metadata\"; set the grader's task, or give every row a task")
+
     def score(self, sample_text: str, item: Mapping[str, Any]) -> float:
         if "answer" not in item:
             raise ValueError("reasoning_gym grader: the dataset row has no \"answer\" field; rows must be "
