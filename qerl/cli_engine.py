@@ -87,7 +87,7 @@ def train_cmd(
                TextColumn("sigma {task.fields[sigma]}"), TextColumn("{task.fields[tps]} tok/s"),
                TimeElapsedColumn(), TimeRemainingColumn())
     try:
-        with Progress(*columns, console=console) as progress:
+        with Progress(*columns, console=console, disable=not console.is_terminal) as progress:  # no bar in a log
             reporter = ProgressReporter(progress, spec.steps, samples_path=workdir / "samples.jsonl")
             result = train(spec, workdir=workdir, reporter=reporter, should_stop=lambda: stop["requested"],
                            resume_from=resume)

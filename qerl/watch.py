@@ -114,7 +114,9 @@ def watch_job(client: Client, job_id: str, console: Console, interval: float = 1
         console.print(escape(step_line(step, total, subset)), highlight=False)
 
     try:
-        with Progress(*columns, console=console) as progress:
+        # Not a terminal (a log, a pipe): no bar, whose last frame would be cut to the console's width;
+        # the step lines above and a closing line say the same.
+        with Progress(*columns, console=console, disable=not console.is_terminal) as progress:
             task = progress.add_task(job["status"], total=total or None, info="", eta="")
             last_place = None
             while True:
@@ -153,6 +155,9 @@ def watch_job(client: Client, job_id: str, console: Console, interval: float = 1
                     for m in client.metrics(job_id):  # what the stream had not delivered yet
                         show(int(m["step"]), m["values"])
                     progress.refresh()
+                    if not console.is_terminal:
+                        console.print(escape("  ".join(p for p in (job["status"], f"{step}/{total} steps", info) if p)),
+                                      highlight=False)
                     return job
                 if not thread.is_alive():  # no stream: poll the metrics instead
                     for m in client.metrics(job_id):

@@ -332,7 +332,7 @@ def test_the_cli_shows_a_queued_jobs_place(live_server, key_a):
 
 def test_watch_says_where_a_queued_job_waits(live_server, key_a):
     """`qerl jobs watch` on a job no worker takes (this server runs none) prints its place in the
-    queue once, then ends when the job is cancelled."""
+    queue once, then ends when the job is cancelled; into a file, with a plain closing line."""
     import io
     import threading
 
@@ -355,6 +355,9 @@ def test_watch_says_where_a_queued_job_waits(live_server, key_a):
     assert final["status"] == "cancelled"
     said = [line for line in buf.getvalue().splitlines() if line.startswith("queued: position")]
     assert said == [f"queued: position {place} (1: the next job a free worker takes)"], buf.getvalue()
+    # not a terminal: no progress bar (its last frame would be cut to the width), a plain closing line
+    assert buf.getvalue().splitlines()[-1] == "cancelled  0/3 steps", buf.getvalue()
+    assert "━" not in buf.getvalue() and "…" not in buf.getvalue(), buf.getvalue()
 
 
 def test_cancel_of_a_running_job_asks_the_worker(client, key_a, file_id, db_sessions):
