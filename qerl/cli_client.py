@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import sys
 import tempfile
 from datetime import datetime
@@ -25,11 +24,10 @@ from rich.table import Column, Table
 
 from qerl.client import Client, QerlError
 from qerl.jobbody import build_job_body, load_spec
+from qerl.term import stdout_console
 from qerl.watch import follow_events, watch_job
 
-# names like ft:base:proj:fire:id hold emoji codes; piped or redirected (no terminal, no COLUMNS), lines
-# are not cut at rich's default of 80 columns, so ids in tables stay whole for grep and scripts
-out = Console(emoji=False, width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 400)
+out = stdout_console()
 err = Console(stderr=True, soft_wrap=True, emoji=False)
 
 WHOLE = ("id", "name", "job", "fine-tuned model")  # what a user copies into the next command

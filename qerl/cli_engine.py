@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-console = Console(emoji=False)
+from qerl.term import stdout_console
+
+console = stdout_console()
 
 
 class ProgressReporter:

@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
 from qerl.cli_client import ApiKey, BaseUrl, _errors_as_messages
+from qerl.term import stdout_console
 
-console = Console(emoji=False)
+console = stdout_console()
 
 
 SERVER_REFS = ("ftjob-", "adapter-", "ft:")

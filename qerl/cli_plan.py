@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-console = Console(emoji=False)
+from qerl.term import stdout_console
+
+console = stdout_console()
 
 
 def _source(name: str) -> str:

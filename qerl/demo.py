@@ -16,14 +16,14 @@ from pathlib import Path
 
 import httpx
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from qerl.client import Client, QerlError
+from qerl.term import stdout_console
 from qerl.watch import watch_job
 
-console = Console(emoji=False)
+console = stdout_console()
 
 
 def _free_port() -> int:

@@ -168,3 +168,21 @@ def test_unreachable_server_prints_a_message_not_a_traceback(monkeypatch, tmp_pa
     monkeypatch.delenv("QERL_API_KEY", raising=False)
     result = CliRunner().invoke(app, ["jobs", "list", "--base-url", "http://127.0.0.1:9"])
     assert result.exit_code == 1 and "no API key" in result.output
+
+
+def test_every_command_writes_whole_lines_into_a_log():
+    """Each command's console, with its output in a file or a pipe (no terminal, no COLUMNS), is
+    not cut or wrapped at rich's 80 columns (make demo's step lines, ids and paths stay whole);
+    COLUMNS, where set, still rules."""
+    import os
+    import subprocess
+    import sys
+
+    modules = ("cli_client:out", "cli_engine:console", "cli_generate:console", "cli_plan:console", "demo:console")
+    code = ("import importlib; print(*(getattr(importlib.import_module('qerl.' + m), a).width for m, a in "
+            f"(x.split(':') for x in {modules!r})))")
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    for columns, want in ((None, "400"), ("60", "60")):
+        run_env = env if columns is None else {**env, "COLUMNS": columns}
+        got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=run_env, check=True)
+        assert got.stdout.split() == [want] * len(modules), got
