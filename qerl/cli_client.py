@@ -135,6 +135,7 @@ def _event_line(ev: dict[str, Any]) -> str:
 files_app = typer.Typer(no_args_is_help=True, help="Upload, list, download and delete files.")
 jobs_app = typer.Typer(no_args_is_help=True, help="Create, follow, pause, resume and cancel fine-tuning jobs.")
 adapters_app = typer.Typer(no_args_is_help=True, help="List, download and delete trained LoRA adapters.")
+models_app = typer.Typer(no_args_is_help=True, help="The base models a job can train, and this project's fine-tuned ones.")
 
 
 @files_app.command("upload")
@@ -450,6 +451,24 @@ def adapters_list(base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJ
     out.print(table)
 
 
+@models_app.command("list")
+@_errors_as_messages
+def models_list(base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJson = False) -> None:
+    """The base models this server can train (a job's --model), then this project's fine-tuned
+    models (ft:..., which --model also takes, to train further)."""
+    with _client(base_url, api_key) as client:
+        models = client.models()
+    if as_json:
+        return _print_json(models)
+    table = _table("id", "kind", "from", "job", "created")
+    for m in models:
+        q = m.get("qerl") or {}
+        source = q.get("base_model") if q.get("kind") == "adapter" else q.get("hub_id")
+        table.add_row(escape(m["id"]), escape(str(q.get("kind", ""))), escape(str(source or "")),
+                      q.get("job_id") or "", _when(m["created"]))
+    out.print(table)
+
+
 @adapters_app.command("download")
 @_errors_as_messages
 def adapters_download(adapter_id: Annotated[str, typer.Argument(
@@ -520,3 +539,4 @@ def register(app: typer.Typer) -> None:
     app.add_typer(files_app, name="files")
     app.add_typer(jobs_app, name="jobs")
     app.add_typer(adapters_app, name="adapters")
+    app.add_typer(models_app, name="models")

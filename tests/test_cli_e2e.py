@@ -54,7 +54,10 @@ def test_list_get_and_events(cli_job: CliJob, qerl_server: Served) -> None:
     piped = {k: v for k, v in qerl_server.env.items() if k != "COLUMNS"}  # stdout a pipe: not cut at 80 columns
     for args, whole in ((("jobs", "list"), (cli_job.job_id, cli_job.job["fine_tuned_model"])),
                         (("files", "list"), (cli_job.file_id,)),
-                        (("adapters", "list"), (cli_job.job["qerl"]["adapter_id"], cli_job.job["fine_tuned_model"]))):
+                        (("adapters", "list"), (cli_job.job["qerl"]["adapter_id"], cli_job.job["fine_tuned_model"])),
+                        (("models", "list"), (cli_job.job["fine_tuned_model"], "adapter", cli_job.job["model"],
+                                              cli_job.job_id)),
+                        (("models", "list"), (cli_job.job["model"], "base"))):
         shown = qerl_server.qerl(*args, env=piped)
         assert shown.returncode == 0 and any(all(w in line for w in whole) for line in shown.stdout.splitlines()), \
             shown.stdout
