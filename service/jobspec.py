@@ -24,7 +24,7 @@ from engine.data.builtin import check_dataset
 from engine.data.jsonl import missing_item_fields
 from engine.rewards import Grader, build_grader
 from engine.rewards.multi import leaves
-from engine.spec import LORA_SHAPE, TrainSpec, same_lora_value
+from engine.spec import LORA_SHAPE, DataSpec, TrainSpec, same_lora_value
 from engine.types import TrainError
 from service.errors import APIError
 from service.crud import Parent
@@ -224,6 +224,9 @@ def build_spec(body: JobCreate, lookup_file: Callable[[str], File | None],
             if problem:
                 raise _invalid(param, problem)
     came_from = _hyper(body, d, qerl, rows)
+    if rows is not None and body.validation_file is None and "eval_size" not in data:
+        # a small file keeps most of its rows for training: a quarter held out, up to the default's 32
+        data["eval_size"] = min(DataSpec.__dataclass_fields__["eval_size"].default, rows // 4)
     d["model"] = entry.name
     d["seed"] = body.seed if body.seed is not None else secrets.randbelow(2**31)
     try:

@@ -140,25 +140,32 @@ BAD = [  # (request body or raw bytes, status, param)
 ]
 
 
-def test_a_training_file_no_larger_than_the_eval_set_is_refused_at_create(client, key_a, db_sessions):
-    """Without a validation file, data.eval_size rows are held out of the training file: a file of
-    no more rows is a 422 naming the field (or the hyperparameter that set it), not a job that fails
-    once the worker loads it; with a validation file, or fewer held out, the same file is accepted."""
+def test_a_small_training_file_holds_out_a_quarter_and_one_no_larger_than_the_eval_set_is_refused(
+        client, key_a, db_sessions):
+    """Without a validation file, data.eval_size rows are held out of the training file: 32 unless
+    set, a quarter of a file of fewer than 128 rows (so a small file trains on most of its rows); an
+    eval_size no smaller than the file is a 422 naming the field (or the hyperparameter that set it),
+    not a job that fails once the worker loads it; with a validation file, or fewer held out, the
+    same file is accepted."""
     small = upload(client, key_a, jsonl(training_rows(10))).json()["id"]
+    large = upload(client, key_a, jsonl(training_rows(200))).json()["id"]
     method = {"type": "reinforcement", "reinforcement": {"grader": STRING_CHECK}}
+    for file_id, extra, held in ((small, {}, 2), (large, {}, 32), (small, {"qerl": {"data": {"eval_size": 9}}}, 9),
+                                 (small, {"validation_file": small}, 32)):
+        resp = client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=body(file_id, method=method, **extra))
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["qerl"]["spec"]["data"]["eval_size"] == held, resp.json()["qerl"]
+    assert job_count(db_sessions, key_a.project) == 4
     err = assert_error(client.post("/v1/fine_tuning/jobs", headers=key_a.headers,
-                                   json=body(small, method=method)), 422, param="qerl.data.eval_size")
+                                   json=body(small, method=method, qerl={"data": {"eval_size": 10}})), 422,
+                       param="qerl.data.eval_size")
     assert "10 rows" in err["message"] and "validation_file" in err["message"]
     hyper = {"type": "reinforcement",
              "reinforcement": {"grader": STRING_CHECK, "hyperparameters": {"eval_samples": 10}}}
     err = assert_error(client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=body(small, method=hyper)),
                        422, param="method.reinforcement.hyperparameters.eval_samples")
     assert err["message"].startswith("method.reinforcement.hyperparameters.eval_samples: data.eval_size=10")
-    assert job_count(db_sessions, key_a.project) == 0
-    for extra in ({"qerl": {"data": {"eval_size": 9}}}, {"validation_file": small}):
-        resp = client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=body(small, method=method, **extra))
-        assert resp.status_code == 200, resp.text
-    assert job_count(db_sessions, key_a.project) == 2
+    assert job_count(db_sessions, key_a.project) == 4
 
 
 def test_a_file_whose_rows_lack_a_field_the_grader_reads_is_refused_at_create(client, key_a, db_sessions):
