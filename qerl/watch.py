@@ -140,11 +140,7 @@ def watch_job(client: Client, job_id: str, console: Console, interval: float = 1
                 prog = job["qerl"]["progress"]
                 total = int(prog.get("total_steps") or 0) or total
                 step = int(prog.get("step") or 0)
-                info = "  ".join(p for p in (
-                    _labelled("reward", _fmt(latest, "reward_mean", ".3f")),
-                    _labelled("entropy", _fmt(latest, "entropy", ".3f")),
-                    _labelled("sigma", _fmt(latest, "aqn_sigma", ".1e")),
-                    _labelled("tok/s", _fmt(latest, "rollout_tokens_per_s", ".0f"))) if p)
+                info = _info(latest)
                 place = job["qerl"].get("queue_position") if job["status"] == "queued" else None
                 if place and place != last_place:
                     console.print(f"queued: position {place} (1: the next job a free worker takes)", highlight=False)
@@ -154,6 +150,8 @@ def watch_job(client: Client, job_id: str, console: Console, interval: float = 1
                 if job["status"] in TERMINAL_STATES or job["status"] == PAUSED:
                     for m in client.metrics(job_id):  # what the stream had not delivered yet
                         show(int(m["step"]), m["values"])
+                    info = _info(latest)
+                    progress.update(task, info=info)
                     progress.refresh()
                     if not console.is_terminal:
                         console.print(escape("  ".join(p for p in (job["status"], f"{step}/{total} steps", info) if p)),
@@ -166,6 +164,15 @@ def watch_job(client: Client, job_id: str, console: Console, interval: float = 1
                 job = client.job(job_id)
     finally:
         stop.set()
+
+
+def _info(latest: dict[str, Any]) -> str:
+    """The bar's numbers: the latest step's reward, entropy, AQN sigma and rollout speed."""
+    return "  ".join(p for p in (
+        _labelled("reward", _fmt(latest, "reward_mean", ".3f")),
+        _labelled("entropy", _fmt(latest, "entropy", ".3f")),
+        _labelled("sigma", _fmt(latest, "aqn_sigma", ".1e")),
+        _labelled("tok/s", _fmt(latest, "rollout_tokens_per_s", ".0f"))) if p)
 
 
 def _labelled(label: str, text: str | None) -> str | None:

@@ -22,7 +22,7 @@ from tests._client_server import STEPS, CliJob, Served, cli_job, qerl_server  # 
 pytestmark = pytest.mark.timeout(900)
 
 
-def test_create_and_watch_render_progress_and_exit_0(cli_job: CliJob) -> None:
+def test_create_and_watch_render_progress_and_exit_0(cli_job: CliJob, qerl_server: Served) -> None:
     assert cli_job.watch.returncode == 0, (cli_job.watch.stdout, cli_job.watch.stderr)
     out = cli_job.watch.stdout
     # one line per step with the live numbers, a closing line (piped: no bar), the outcome
@@ -33,6 +33,8 @@ def test_create_and_watch_render_progress_and_exit_0(cli_job: CliJob) -> None:
         assert re.search(r"sigma \d\.\de[+-]\d\d", line), line
     assert re.search(rf"^succeeded  {STEPS}/{STEPS} steps  reward \d\.\d{{3}}  entropy .*tok/s \d+$", out, re.M), out
     assert "━" not in out and "…" not in out, out
+    again = qerl_server.qerl("jobs", "watch", cli_job.job_id)  # a finished job: its last numbers too
+    assert re.search(rf"^succeeded  {STEPS}/{STEPS} steps  reward \d\.\d{{3}}", again.stdout, re.M), again.stdout
     assert f"Job {cli_job.job_id} succeeded" in out
     job = cli_job.job
     assert job["status"] == "succeeded" and job["qerl"]["progress"] == {"step": STEPS, "total_steps": STEPS}
