@@ -20,7 +20,7 @@ import typer
 from rich.markup import escape
 
 from qerl.cli_client import ApiKey, BaseUrl, _errors_as_messages
-from qerl.term import stdout_console
+from qerl.term import rule, stdout_console
 
 console = stdout_console()
 
@@ -226,7 +226,7 @@ def generate_cmd(
         if as_json:
             print(json.dumps(row), flush=True)
             continue
-        console.rule(f"prompt {i + 1}")
+        rule(console, f"prompt {i + 1}")
         console.print(escape(chat[-1]["content"]))
         console.print(f"[bold green]fine-tuned[/] ({row['tokens']} tokens, {row['finish_reason']}):")
         console.print(escape(row["completion"]))

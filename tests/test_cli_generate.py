@@ -110,6 +110,9 @@ def test_generate_reads_a_trained_adapters_manifest(tiny_model_dir, tmp_path):
     user = {"role": "user", "content": PROMPTS[0]}
     assert first[0]["messages"] == [*framing, user]
     assert _run(*args, "--no-framing")[0]["messages"] == [user]
+    shown = CliRunner().invoke(app, ["generate", *args, "--device", "cpu", "--no-compare"])  # into a pipe
+    rule = next((line for line in shown.stdout.splitlines() if "prompt 1" in line), "")
+    assert shown.exit_code == 0 and len(rule) == 80 and rule.strip("─ ") == "prompt 1", shown.stdout
     assert _run(*args, "--system", "Be brief.")[0]["messages"] == [{"role": "system", "content": "Be brief."},
                                                                   *framing[1:], user]
 
