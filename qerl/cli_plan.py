@@ -220,9 +220,10 @@ def plan_cmd(
     except mp.DoesNotFit as exc:
         console.print(f"[red]does not fit: {exc}[/]")
         raise typer.Exit(1) from None
-    table = Table(title=f"{model or spec.model}: {spec.quantization} base, LoRA r={spec.lora.r}, "
-                        f"{inputs.rollout_rows} rollouts of {inputs.longest_prompt} + {spec.rollout.max_new_tokens} "
-                        f"tokens a step")
+    console.print(f"{model or spec.model}: {spec.quantization} base, LoRA r={spec.lora.r}, {inputs.rollout_rows} "
+                  f"rollouts of {inputs.longest_prompt} + {spec.rollout.max_new_tokens} tokens a step",
+                  highlight=False)  # a line of its own: a table's title wraps at the table's width
+    table = Table()
     table.add_column("term")
     table.add_column("GiB", justify="right")
     for name, value in plan.held.items():

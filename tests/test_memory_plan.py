@@ -192,6 +192,8 @@ def test_qerl_plan_gives_a_72b_jobs_batches_for_an_80_gib_card(tmp_path):
     assert f"KV cache │ {p.held['KV cache'] / mp.GIB:.2f}" in out and f"{p.peak / mp.GIB:.2f}" in out, out
     by_name = _plan_cli(tmp_path, "--model", "qwen2.5-72b", "--gpu-gib", "80", "--no-eight-bit")  # offline
     assert by_name.exit_code == 0 and "qwen2.5-72b: nvfp4 base" in by_name.output, by_name.output
+    assert "qwen2.5-72b: nvfp4 base, LoRA r=16, 64 rollouts of 256 + 1024 tokens a step" in \
+        by_name.output.splitlines(), by_name.output  # one line, not wrapped at the table's width
     assert by_name.output[by_name.output.index("┏"):] == res.output[res.output.index("┏"):]  # the same plan
 
 
