@@ -56,8 +56,9 @@ def graders_run(grader: GraderFile, sample: Sample, item: ItemFile = None, base_
         _print_json(result)
     else:
         meta = result["metadata"]
-        table = Table("grader", "score", title=f"reward {result['reward']:.4g}  ({escape(meta['type'])} "
-                                               f"{escape(meta['name'])}, {meta['execution_time'] * 1000:.1f} ms)")
+        out.print(f"reward {result['reward']:.4g}  ({escape(meta['type'])} {escape(meta['name'])}, "
+                  f"{meta['execution_time'] * 1000:.1f} ms)", highlight=False)  # a table's title would wrap
+        table = Table("grader", "score")
         for name, score in meta["scores"].items():
             table.add_row(escape(name), f"{score:.4g}")
         out.print(table)
