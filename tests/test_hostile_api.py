@@ -70,6 +70,7 @@ def test_malformed_uploads_are_refused_and_leave_nothing(client, key_a, api_sett
     for filename, content, status, code in cases[:-1]:
         err = assert_error(raw_upload(client, key_a, filename, content), status, param="file", code=code)
         assert "line" in err["message"] or "empty" in err["message"], err
+        assert err["message"].endswith("Fix these lines and upload again." if content else "\"answer\": \"...\"}."), err
     assert_error(raw_upload(client, key_a, b"t.jsonl", b'{"prompt": "x"}\n', purpose=b"fine-\xfftune"), 422,
                  param="purpose")
     # a multipart body that ends early, and one whose boundary never appears

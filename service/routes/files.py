@@ -63,8 +63,9 @@ def _save(project: str, filename: str, purpose: str, staged, session) -> FileObj
     try:
         rows, errors = parse_jsonl(staged.tmp.read_bytes())
         if errors:
-            raise APIError(400, f"{filename} is not a valid JSONL training file: {'; '.join(errors)}. "
-                                "Fix these lines and upload again.", code="invalid_file_format", param="file")
+            fix = " Fix these lines and upload again." if errors[0].startswith("line ") else ""  # else: empty
+            raise APIError(400, f"{filename} is not a valid JSONL training file: {'; '.join(errors)}.{fix}",
+                           code="invalid_file_format", param="file")
         file_id = new_id("file")
         blob = staged.publish(f"files/{file_id}.jsonl")
     except BaseException:
