@@ -266,7 +266,7 @@ class _Run:
         from engine.data.jsonl import field_counts, missing_item_fields
         from engine.rewards.multi import leaves
 
-        needed, data = self.grader.item_fields, self.spec.data
+        needed, data, graders = self.grader.item_fields, self.spec.data, list(leaves(self.grader))
         if data.dataset is not None:
             parts = [("data.dataset", train_ex + eval_ex)]
         elif data.validation_file is not None:
@@ -285,7 +285,6 @@ class _Run:
             problem = missing_item_fields(needed, counts, len(examples), where, first) if needed else None
             if problem:
                 raise TrainError("invalid_dataset", problem)
-            graders = list(leaves(self.grader))
             for k, ex in sorted(enumerate(examples), key=lambda kx: (kx[1].line or 0, kx[0])):  # file order
                 problem = next(filter(None, (g.check_item(ex.item) for g in graders)), None)
                 if problem:
