@@ -161,6 +161,8 @@ def files_list(base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJson
         files = client.files()
     if as_json:
         return _print_json(files)
+    if not files:
+        return out.print("no files yet (qerl files upload train.jsonl uploads one)", highlight=False)
     table = _table("id", "filename", "purpose", "size", "rows", "created")
     for f in files:
         table.add_row(f["id"], escape(f["filename"]), f["purpose"], _size(f["bytes"]),
@@ -265,6 +267,11 @@ def jobs_list(status: Annotated[Optional[str], typer.Option(help="only jobs in t
         page = client.list_jobs(status=status, limit=limit, after=after, metadata=wanted)
     if as_json:
         return _print_json(page)
+    if not page["data"]:
+        said = ([f"status {status}"] * bool(status) + [f"metadata {k}={v}" for k, v in wanted.items()]
+                + [f"an id after {after}"] * bool(after))
+        return out.print(f"no jobs with {' and '.join(said)}" if said else
+                         "no jobs yet (qerl jobs create job.yaml --training-file file-... submits one)", highlight=False)
     table = _table("id", "status", "model", "progress", "created", "fine-tuned model")
     for j in page["data"]:
         p = j["qerl"]["progress"]
@@ -444,6 +451,8 @@ def adapters_list(base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJ
         adapters = client.adapters()
     if as_json:
         return _print_json(adapters)
+    if not adapters:
+        return out.print("no adapters yet (a job that succeeds makes one)", highlight=False)
     table = _table("id", "name", "base model", "job", "size", "sha256", "created")
     for a in adapters:
         table.add_row(a["id"], escape(a["name"]), escape(a["base_model"]), a["job_id"], _size(a["bytes"]),

@@ -518,3 +518,20 @@ def test_generate_fetches_a_jobs_adapter_from_the_server(cli_job: CliJob, qerl_s
     by_model = qerl_server.qerl("adapters", "download", cli_job.job["fine_tuned_model"], "-o", str(out))
     assert by_model.returncode == 0 and f"adapter {adapter_id} " in by_model.stdout, by_model.stderr
     assert (out / "adapter_model.safetensors").read_bytes() == (cached / "adapter_model.safetensors").read_bytes()
+
+
+def test_empty_lists_say_so_and_how_to_fill_them(qerl_server: Served) -> None:
+    """A project with nothing yet: each list says there is none and the command that makes one, not
+    an empty table; a filter that matches nothing says which filter."""
+    created = qerl_server.qerl("keys", "create", "--project", "empty-lists")
+    secret = re.search(r"sk-qerl-[A-Za-z0-9_-]+", created.stdout)
+    assert created.returncode == 0 and secret, created.stdout + created.stderr
+    key = ("--api-key", secret.group(0))
+    for args, said in ((("jobs", "list"), "no jobs yet (qerl jobs create job.yaml --training-file file-... submits one)"),
+                       (("jobs", "list", "--status", "running", "--metadata", "team=a"),
+                        "no jobs with status running and metadata team=a"),
+                       (("files", "list"), "no files yet (qerl files upload train.jsonl uploads one)"),
+                       (("adapters", "list"), "no adapters yet (a job that succeeds makes one)")):
+        shown = qerl_server.qerl(*args, *key)
+        assert shown.returncode == 0 and shown.stdout.strip() == said, shown.stdout + shown.stderr
+    assert qerl_server.qerl("files", "list", *key, "--json").stdout.strip() == "[]"  # JSON stays JSON
