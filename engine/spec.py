@@ -38,6 +38,13 @@ def _check_range(name: str, value: float, lo: float, hi: float, *, lo_open: bool
 
 
 FINAL_ADAPTERS = ("last", "best_eval")
+EVAL_SIZE = 32  # held-out prompts when a job sets none and its data has at least 4 x as many
+
+
+def default_eval_size(prompts: int) -> int:
+    """Held-out prompts for data of ``prompts`` distinct questions when a job sets none: 32, or a
+    quarter of fewer than 128, so that a small set keeps most of its questions for training."""
+    return min(EVAL_SIZE, prompts // 4)
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -182,7 +189,7 @@ class DataSpec:
     train_file: str | None = None
     validation_file: str | None = None
     dataset: dict[str, Any] | None = None
-    eval_size: int = 32  # held-out prompts (split off the training data when no validation file)
+    eval_size: int = EVAL_SIZE  # held-out prompts (split off the training data when no validation file)
     system_prompt: str | None = None
     one_shot: bool = True
     max_prompt_tokens: int = 512

@@ -148,9 +148,10 @@ def files_upload(path: Annotated[Path, typer.Argument(exists=True, dir_okay=Fals
         f = client.upload_file(path, purpose)
     if as_json:
         return _print_json(f)
-    rows = (f.get("qerl") or {}).get("rows")
+    rows, prompts = (f.get("qerl") or {}).get("rows"), (f.get("qerl") or {}).get("prompts")
+    repeats = f" ({prompts} distinct prompts)" if prompts is not None and rows is not None and prompts < rows else ""
     out.print(f"[bold]{f['id']}[/]  {escape(f['filename'])}  {_size(f['bytes'])}"
-              + (f"  {rows} rows" if rows is not None else ""))
+              + (f"  {rows} rows{repeats}" if rows is not None else ""))
 
 
 @files_app.command("list")
@@ -332,6 +333,14 @@ def jobs_samples(job_id: str,
     if as_json:
         return _print_json(page)
     if not page:
+        if step is not None:
+            with _client(base_url, api_key) as client:
+                progress = client.job(job_id)["qerl"]["progress"]
+            at, total = progress["step"], progress["total_steps"]
+            if step > at or step < 0:
+                why = f"the job has {total} steps" if step > total or step < 0 else "it has not got there yet"
+                out.print(f"no samples for {job_id} at step {step}: {why} (it is at step {at} of {total})")
+                return
         out.print(f"no samples for {job_id}" + (f" at step {step}" if step is not None else "") +
                   " (reported from the first step on; qerl.log_samples=0 turns them off)")
         return

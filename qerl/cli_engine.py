@@ -59,10 +59,35 @@ def _load_spec(path: Path):
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise typer.BadParameter(f"cannot read {path}: {exc}") from None
+    if isinstance(data, dict) and isinstance(data.get("data"), dict):
+        _default_eval_size(data["data"])
     try:
         return TrainSpec.from_dict(data)
     except ValueError as exc:
         raise typer.BadParameter(f"{path}: {exc}") from None
+
+
+def _default_eval_size(data: dict[str, Any]) -> None:
+    """Without data.eval_size or a validation_file, hold out what a job through the service would:
+    32 questions, or a quarter of fewer than 128 (engine.spec.default_eval_size)."""
+    from engine.data.jsonl import parse_jsonl
+    from engine.data.prompts import count_prompts
+    from engine.spec import default_eval_size
+
+    if "eval_size" in data or data.get("validation_file") is not None:
+        return
+    questions = None
+    if isinstance(data.get("dataset"), dict):
+        size = data["dataset"].get("size", 200)
+        questions = size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+    elif isinstance(data.get("train_file"), str):
+        try:
+            rows, errors = parse_jsonl(Path(data["train_file"]).read_bytes())
+        except OSError:
+            return  # the engine names the file it cannot read
+        questions = None if errors else count_prompts(rows)
+    if questions is not None:
+        data["eval_size"] = default_eval_size(questions)
 
 
 def train_cmd(

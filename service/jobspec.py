@@ -24,7 +24,7 @@ from engine.data.builtin import check_dataset
 from engine.data.jsonl import missing_item_fields
 from engine.rewards import Grader, build_grader
 from engine.rewards.multi import leaves
-from engine.spec import LORA_SHAPE, DataSpec, TrainSpec, same_lora_value
+from engine.spec import LORA_SHAPE, TrainSpec, default_eval_size, same_lora_value
 from engine.types import TrainError
 from service.errors import APIError
 from service.crud import Parent
@@ -193,7 +193,7 @@ def build_spec(body: JobCreate, lookup_file: Callable[[str], File | None],
         raise _invalid("training_file", "give exactly one of training_file (an uploaded JSONL file id) or "
                                         "qerl.dataset (a built-in task, e.g. {\"source\": \"reasoning_gym\", "
                                         "\"task\": \"products\"})", code="missing_required")
-    rows, files = None, []
+    rows, prompts, files = None, None, []
     for param, file_id in (("training_file", body.training_file), ("validation_file", body.validation_file)):
         if file_id is None:
             continue
@@ -205,7 +205,8 @@ def build_spec(body: JobCreate, lookup_file: Callable[[str], File | None],
             raise _invalid(param, f"{param}: file {file_id!r} has purpose {f.purpose!r}; upload it with "
                                   "purpose=fine-tune")
         data["train_file" if param == "training_file" else "validation_file"] = f.path
-        rows = f.rows if param == "training_file" else rows
+        if param == "training_file":
+            rows, prompts = f.rows, getattr(f, "prompts", None)
         files.append((param, file_id, f))
     grader = body.method.reinforcement.grader if body.method and body.method.reinforcement else None
     if grader is None and body.training_file is not None:
@@ -224,16 +225,20 @@ def build_spec(body: JobCreate, lookup_file: Callable[[str], File | None],
             if problem:
                 raise _invalid(param, problem)
     came_from = _hyper(body, d, qerl, rows)
-    if rows is not None and body.validation_file is None and "eval_size" not in data:
-        # a small file keeps most of its rows for training: a quarter held out, up to the default's 32
-        data["eval_size"] = min(DataSpec.__dataclass_fields__["eval_size"].default, rows // 4)
+    # a held-out split takes distinct questions: those counted at upload, else (an older upload) the rows
+    distinct = prompts if prompts is not None else rows
+    dataset = data.get("dataset")
+    questions = _positive(dataset.get("size"), 200) if isinstance(dataset, dict) else distinct  # a built-in task's
+    if questions is not None and body.validation_file is None and "eval_size" not in data:
+        data["eval_size"] = default_eval_size(questions)  # a small set keeps most of its questions
     d["model"] = entry.name
     d["seed"] = body.seed if body.seed is not None else secrets.randbelow(2**31)
     try:
         spec = TrainSpec.from_dict(d)
-        if rows is not None and spec.data.validation_file is None and spec.data.eval_size >= rows:
+        if distinct is not None and spec.data.validation_file is None and spec.data.eval_size >= distinct:
+            of = f"{distinct} rows" if distinct == rows else f"{distinct} distinct prompts (in {rows} rows)"
             raise ValueError(f"data.eval_size={spec.data.eval_size} would hold out every one of the training file's "
-                             f"{rows} rows; lower it below {rows}, upload more rows, or give a validation_file")
+                             f"{of}; lower it below {distinct}, upload more prompts, or give a validation_file")
     except ValueError as exc:
         match = _FIELD.match(str(exc))
         field = match.group(1).rstrip(".") if match else ""

@@ -60,6 +60,8 @@ class File(Base):
     # top-level field -> rows that have it (engine.data.jsonl.field_counts); None: not counted (free-form
     # keys, a results file, or uploaded before it was kept)
     fields: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # distinct questions (engine.data.prompts.count_prompts): what a held-out split can take; None as above
+    prompts: Mapped[int | None] = mapped_column(Integer, nullable=True)
     status: Mapped[str] = mapped_column(String(16), default="processed")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     deleted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)

@@ -14,7 +14,7 @@ from sqlalchemy import func, select
 
 from engine.spec import TrainSpec
 from service import queue
-from service.models import Checkpoint, Job, JobMetric
+from service.models import Checkpoint, File, Job, JobMetric
 from tests.conftest import STRING_CHECK, jsonl, training_rows
 from tests.test_api_files import assert_error, upload
 
@@ -125,7 +125,7 @@ BAD = [  # (request body or raw bytes, status, param)
     ({"model": MODEL, "qerl": {"dataset": RG}, "suffix": "s" * 65}, 422, "suffix"),
     ({"model": MODEL, "qerl": {"dataset": RG}, "metadata": {"k": "v" * 513}}, 422, "metadata.k"),
     # a built-in dataset no larger than the held-out evaluation set: rejected here, not in the worker
-    ({"model": MODEL, "qerl": {"dataset": {**RG, "size": 8}}}, 422, "qerl.data.eval_size"),
+    ({"model": MODEL, "qerl": {"dataset": {**RG, "size": 8}, "data": {"eval_size": 8}}}, 422, "qerl.data.eval_size"),
     ({"model": MODEL, "qerl": {"dataset": RG, "data": {"eval_size": 40}}}, 422, "qerl.data.eval_size"),
     # a spec field set through an OpenAI hyperparameter: the error names the hyperparameter
     ({"model": MODEL, "qerl": {"dataset": RG}, "method": {"type": "reinforcement", "reinforcement": {
@@ -165,6 +165,38 @@ def test_a_small_training_file_holds_out_a_quarter_and_one_no_larger_than_the_ev
     err = assert_error(client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=body(small, method=hyper)),
                        422, param="method.reinforcement.hyperparameters.eval_samples")
     assert err["message"].startswith("method.reinforcement.hyperparameters.eval_samples: data.eval_size=10")
+    assert job_count(db_sessions, key_a.project) == 4
+
+
+def test_the_held_out_split_is_sized_by_distinct_prompts(client, key_a, db_sessions):
+    """An upload counts its distinct questions (the final user turn, as the split compares them): a
+    file of 40 rows asking 8 questions holds out 2 of them, not 10 (a quarter of its rows: more than
+    it has questions, so the worker would fail the job); asking to hold out all 8 is a 422 saying the
+    file has 8 distinct prompts in 40 rows."""
+    rows = [{"messages": [{"role": "system", "content": f"Style {i}."}, {"role": "user", "content": f"Q{i % 8}?"}],
+             "answer": "x"} for i in range(40)]
+    file_id = upload(client, key_a, jsonl(rows)).json()["id"]
+    with db_sessions() as s:
+        assert s.get(File, file_id).prompts == 8
+    method = {"type": "reinforcement", "reinforcement": {"grader": STRING_CHECK}}
+    resp = client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=body(file_id, method=method))
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["qerl"]["spec"]["data"]["eval_size"] == 2
+    err = assert_error(client.post("/v1/fine_tuning/jobs", headers=key_a.headers,
+                                   json=body(file_id, method=method, qerl={"data": {"eval_size": 8}})), 422,
+                       param="qerl.data.eval_size")
+    assert "8 distinct prompts (in 40 rows)" in err["message"], err["message"]
+    assert job_count(db_sessions, key_a.project) == 1
+
+
+def test_a_small_built_in_dataset_holds_out_a_quarter(client, key_a, db_sessions):
+    """A built-in task of fewer than 128 questions holds out a quarter of them unless eval_size is set
+    (it had been a 422 below 33 questions); one of 3 holds out none."""
+    for size, held in ((8, 2), (60, 15), (500, 32), (3, 0)):
+        resp = client.post("/v1/fine_tuning/jobs", headers=key_a.headers,
+                           json={"model": MODEL, "qerl": {"dataset": {**RG, "size": size}}})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["qerl"]["spec"]["data"]["eval_size"] == held
     assert job_count(db_sessions, key_a.project) == 4
 
 

@@ -104,9 +104,13 @@ def test_the_results_file_holds_every_steps_metrics(cli_job: CliJob, qerl_server
     assert results in [f["id"] for f in only] and {f["purpose"] for f in only} == {"fine-tune-results"}
     saved = qerl_server.qerl("files", "download", results, "-o", str(tmp_path / "m.csv"))
     assert saved.returncode == 0 and (tmp_path / "m.csv").read_text() == to_stdout.stdout, saved.stderr
-    # files delete: an upload nobody uses goes; the listing no longer has it
-    (tmp_path / "extra.jsonl").write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n')
-    extra = json.loads(qerl_server.qerl("files", "upload", str(tmp_path / "extra.jsonl"), "--json").stdout)["id"]
+    # files delete: an upload nobody uses goes; the listing no longer has it. Its upload says that
+    # its 3 rows ask 2 distinct questions (what a held-out split can take)
+    (tmp_path / "extra.jsonl").write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n' * 2
+                                          + '{"prompt": "What is 2 + 2?", "answer": "4"}\n')
+    said = qerl_server.qerl("files", "upload", str(tmp_path / "extra.jsonl"))
+    assert said.returncode == 0 and "3 rows (2 distinct prompts)" in said.stdout, (said.stdout, said.stderr)
+    extra = said.stdout.split()[0]
     gone = qerl_server.qerl("files", "delete", extra)
     assert gone.returncode == 0 and f"deleted {extra}" in gone.stdout, gone.stderr
     assert extra not in [f["id"] for f in json.loads(qerl_server.qerl("files", "list", "--json").stdout)]
@@ -226,19 +230,21 @@ def test_watch_exits_1_with_the_reason_when_the_job_fails(cli_job: CliJob, qerl_
     from tests._client_server import JOB_SPEC_YAML
 
     (tmp_path / "job.yaml").write_text(JOB_SPEC_YAML)
-    # passes the API's checks (4 held out of 8 rows), fails in the engine: the 8 rows ask only 2
-    # distinct questions, which cannot hold out 4 for evaluation
-    rows = [{"messages": [{"role": "user", "content": f"Question {i % 2}?"}], "answer": "x"} for i in range(8)]
-    (tmp_path / "dup.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    upload = qerl_server.qerl("files", "upload", str(tmp_path / "dup.jsonl"), "--json")
+    # passes the API's checks, fails in the engine: the prompts are longer in tokens than the job
+    # lets a prompt be (only the tokenizer, in the worker, can count them)
+    rows = [{"messages": [{"role": "user", "content": f"Question {i}: " + "word " * 40}], "answer": "x"}
+            for i in range(8)]
+    (tmp_path / "long.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    upload = qerl_server.qerl("files", "upload", str(tmp_path / "long.jsonl"), "--json")
     assert upload.returncode == 0, upload.stderr
     created = qerl_server.qerl("jobs", "create", str(tmp_path / "job.yaml"), "--training-file",
-                               json.loads(upload.stdout)["id"], "--set", "qerl.data.eval_size=4", "--json")
+                               json.loads(upload.stdout)["id"], "--set", "qerl.data.max_prompt_tokens=16", "--json")
     assert created.returncode == 0, created.stderr
     job_id = json.loads(created.stdout)["id"]
     watch = qerl_server.qerl("jobs", "watch", job_id, "--interval", "0.3", timeout=300)
     assert watch.returncode == 1, (watch.stdout, watch.stderr)
-    assert f"Job {job_id} failed: invalid_dataset: data.eval_size=4 holds out all 2 distinct prompts" in watch.stdout
+    assert f"Job {job_id} failed: invalid_dataset: line " in watch.stdout
+    assert "more than data.max_prompt_tokens=16" in watch.stdout
 
 
 def test_adapters_delete_by_model_name_and_by_id(qerl_server: Served) -> None:
@@ -493,6 +499,9 @@ def test_samples_show_what_the_model_wrote_at_a_step(cli_job: CliJob, qerl_serve
     assert {x["step"] for x in newest} == {STEPS}  # the newest step's, evaluation included where it evaluated
     bad = qerl_server.qerl("jobs", "samples", cli_job.job_id, "--kind", "test")
     assert bad.returncode == 1 and "--kind must be train or eval" in bad.stdout + bad.stderr
+    past = qerl_server.qerl("jobs", "samples", cli_job.job_id, "--step", "9")
+    assert past.returncode == 0, past.stderr
+    assert f"at step 9: the job has {STEPS} steps (it is at step {STEPS} of {STEPS})" in past.stdout, past.stdout
 
 
 def test_generate_fetches_a_jobs_adapter_from_the_server(cli_job: CliJob, qerl_server: Served) -> None:

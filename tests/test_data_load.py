@@ -10,7 +10,7 @@ from engine.data import Example, load_examples, split_eval
 from engine.data.builtin import check_dataset
 from engine.data.demo import DEMO_SPEC
 from engine.data.jsonl import MAX_FIELD_NAMES, field_counts, missing_item_fields, validate_jsonl
-from engine.data.prompts import SYSTEM_PROMPT, training_framing
+from engine.data.prompts import SYSTEM_PROMPT, count_prompts, training_framing
 from engine.rewards import build_grader
 from engine.spec import DataSpec, TrainSpec
 from engine.types import TrainError
@@ -218,6 +218,26 @@ def test_eval_size_that_leaves_no_training_data():
         split_eval(examples, 2, seed=0)
     train, evals = split_eval(examples, 1, seed=0)
     assert len(evals) == 1 and all(t.messages != evals[0].messages for t in train)
+
+
+def test_count_prompts_counts_what_the_split_holds_out(tmp_path):
+    """An upload's count of distinct prompts is the number of questions the eval split can hold out,
+    whatever the system prompt or one-shot turn the job adds: holding out that many is refused, one
+    fewer leaves one question to train on."""
+    rows = [{"prompt": f"P{i % 5}", "answer": "x"} for i in range(12)]
+    rows += [{"messages": [{"role": "system", "content": f"s{i}"}, {"role": "user", "content": f"M{i % 3}"}]}
+             for i in range(9)]
+    rows += [{"messages": [{"role": "user", "content": [{"type": "text", "text": "M"}, {"type": "text", "text": "1"}]}]},
+             {"messages": [{"role": "user", "content": "P1"}]}]  # the same question as M1 and as P1
+    random.Random(0).shuffle(rows)
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert count_prompts(rows) == 8
+    for spec in (DataSpec(train_file=str(tmp_path / "t.jsonl"), eval_size=7),
+                 DataSpec(train_file=str(tmp_path / "t.jsonl"), eval_size=7, one_shot=False, system_prompt="S")):
+        train, evals = load_examples(spec, seed=1)
+        assert len(evals) == 7 and len({ex.messages[-1]["content"] for ex in train}) == 1
+    with pytest.raises(TrainError, match="holds out all 8 distinct prompts"):
+        load_examples(DataSpec(train_file=str(tmp_path / "t.jsonl"), eval_size=8), seed=1)
 
 
 def test_demo_spec_is_a_valid_job_with_both_splits():

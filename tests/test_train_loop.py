@@ -412,6 +412,28 @@ def test_reward_rises_on_a_learnable_task(tiny_dir, tmp_path):
     assert last > first + 0.05, f"reward did not rise: {[round(r, 3) for r in rewards]}"
 
 
+def test_cli_train_holds_out_a_quarter_of_a_small_set(tmp_path):
+    """`qerl train` on a spec without data.eval_size holds out what a job through the service would:
+    a quarter of the distinct questions of fewer than 128 (it had been 32 whatever the file, an error
+    for any file of 32 questions or fewer); an eval_size given, or a validation file, is kept."""
+    from qerl.cli_engine import _load_spec
+
+    rows = "".join(json.dumps({"prompt": f"Say e {i % 10}", "answer": "e"}) + "\n" for i in range(30))
+    (tmp_path / "d.jsonl").write_text(rows)
+    grader = {"type": "string_check", "operation": "eq", "input": "{{sample.output_text}}",
+              "reference": "{{item.answer}}"}
+
+    def held(data: dict) -> int:
+        (tmp_path / "spec.json").write_text(json.dumps({"grader": grader, "data": data}))
+        return _load_spec(tmp_path / "spec.json").data.eval_size
+
+    assert held({"train_file": str(tmp_path / "d.jsonl")}) == 2  # 10 distinct questions in 30 rows
+    assert held({"train_file": str(tmp_path / "d.jsonl"), "eval_size": 5}) == 5
+    assert held({"train_file": str(tmp_path / "d.jsonl"), "validation_file": str(tmp_path / "d.jsonl")}) == 32
+    assert held({"dataset": {"source": "reasoning_gym", "task": "products", "size": 20}}) == 5
+    assert held({"dataset": {"source": "reasoning_gym", "task": "products"}}) == 32  # 200 by default
+
+
 def test_cli_train_and_quantize(tiny_dir, tmp_path):
     import typer
     from typer.testing import CliRunner

@@ -58,7 +58,7 @@ def split_eval(examples: list[Example], eval_size: int, seed: int) -> tuple[list
 
 
 def _key(ex: Example) -> str:
-    """What makes two prompts the same question: the final user turn."""
+    """What makes two prompts the same question: the final user turn (``prompt_key`` for a row)."""
     return ex.messages[-1]["content"]
 
 

@@ -7,7 +7,7 @@ expression when the entry has one ("6 * 7 = 42."), else a short generic line.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 from engine.data.jsonl import message_text
 
@@ -47,6 +47,17 @@ def row_messages(row: dict[str, Any], *, system_prompt: str | None, one_shot: bo
     if system_prompt and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})
     return messages
+
+
+def prompt_key(row: dict[str, Any]) -> str:
+    """What makes two JSONL rows the same question: their final user turn (the eval split holds
+    out distinct questions, so that none of them is also trained on)."""
+    return row["prompt"] if "prompt" in row else message_text(row["messages"][-1]["content"])
+
+
+def count_prompts(rows: Iterable[dict[str, Any]]) -> int:
+    """How many distinct questions the rows hold (``prompt_key``)."""
+    return len({prompt_key(r) for r in rows})
 
 
 def training_framing(spec: Any, train: list[Any]) -> list[Message]:

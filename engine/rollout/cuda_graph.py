@@ -689,7 +689,7 @@ class GraphRollout:
     # -- a sub-batch -------------------------------------------------------------------------
     def _generate_batch(self, tokenizer, prompts: list[list[int]], params: SamplingParams, eos: set[int],
                         generator: torch.Generator | None, stop: Callable[[], bool]) -> tuple[list[Completion], bool]:
-        model, dev = self.model, self.device
+        dev = self.device
         n = len(prompts)
         ids, mask = left_pad(prompts, tokenizer.pad_token_id)
         if ids.shape[1] + params.max_new_tokens > self.max_len:

@@ -10,6 +10,7 @@ from fastapi.responses import FileResponse
 from starlette.datastructures import UploadFile
 
 from engine.data.jsonl import field_counts, parse_jsonl
+from engine.data.prompts import count_prompts
 from service import crud
 from service.auth import CurrentKey
 from service.deps import ReleasingRoute, SessionDep, SettingsDep, StoreDep
@@ -74,7 +75,8 @@ def _save(project: str, filename: str, purpose: str, staged, session) -> FileObj
     try:
         row = crud.add_file(session, File(id=file_id, project=project, filename=filename, purpose=purpose,
                                           bytes=blob.bytes, sha256=blob.sha256, path=blob.path, rows=len(rows),
-                                          fields=field_counts(rows), status="processed"))
+                                          fields=field_counts(rows), prompts=count_prompts(rows),
+                                          status="processed"))
         session.commit()
     except BaseException:
         session.rollback()
