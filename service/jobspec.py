@@ -4,9 +4,10 @@ Mapping (OpenAI name -> TrainSpec): ``model`` -> model (registry names only, nev
 ``training_file``/``validation_file`` -> data.train_file/validation_file (paths relative to the
 artifact store; the worker's runner makes them absolute); ``qerl.dataset`` -> data.dataset;
 ``method.reinforcement.grader`` -> grader; hyperparameters: ``batch_size`` -> prompts_per_step,
-``learning_rate_multiplier`` -> optim.lr = 1e-5 x m, ``n_epochs`` -> steps = ceil(epochs x rows /
-batch) x rl.mu, ``eval_interval`` -> eval_interval, ``eval_samples`` -> data.eval_size,
-``compute_multiplier`` -> rollout.num_generations = round(4 x m). ``qerl`` takes TrainSpec's own
+``learning_rate_multiplier`` -> optim.lr = 1e-5 x m, ``n_epochs`` -> steps = ceil(epochs x
+training rows / batch) x rl.mu (the rows the held-out prompts leave), ``eval_interval`` ->
+eval_interval, ``eval_samples`` -> data.eval_size, ``compute_multiplier`` ->
+rollout.num_generations = round(4 x m). ``qerl`` takes TrainSpec's own
 fields, plus the shortcuts ``algorithm`` (rl.algorithm) and ``dataset`` (data.dataset). A
 fine-tuned ``model`` (``ft:...``, or a kept checkpoint's ``ft:...:ckpt-step-N``) is trained further:
 its base, LoRA shape and weights (init_adapter).
@@ -67,7 +68,21 @@ def _positive(value: Any, default: int) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
 
 
-def _hyper(body: JobCreate, d: dict[str, Any], qerl: dict[str, Any], rows: int | None) -> dict[str, str]:
+def _training_rows(body: JobCreate, data: dict[str, Any], rows: int | None, prompts: int | None) -> int:
+    """Rows the training split will keep: the training file's (a built-in task's questions), less
+    those of the prompts held out for evaluation when there is no validation file (the rows of a
+    repeated prompt go with it: their share of the file, where prompts repeat)."""
+    dataset = data.get("dataset")
+    size = rows if rows is not None else _positive(dataset.get("size") if isinstance(dataset, dict) else None, 200)
+    questions = prompts if prompts is not None and rows is not None else size
+    held = data.get("eval_size", default_eval_size(questions)) if body.validation_file is None else 0
+    if not isinstance(held, int) or isinstance(held, bool) or not 0 <= held < questions:
+        return size  # TrainSpec or the check after it names the field
+    return max(1, size - round(held * size / questions))
+
+
+def _hyper(body: JobCreate, d: dict[str, Any], qerl: dict[str, Any], rows: int | None,
+           prompts: int | None) -> dict[str, str]:
     """Apply the OpenAI hyperparameters to the spec dict d; returns {spec field: the request param
     it came from} for the error that names a field set this way."""
     method_h = body.method.reinforcement.hyperparameters if body.method and body.method.reinforcement else None
@@ -108,8 +123,7 @@ def _hyper(body: JobCreate, d: dict[str, Any], qerl: dict[str, Any], rows: int |
         if "steps" in qerl:
             raise _invalid(f"{p}.n_epochs", f"give either {p}.n_epochs or qerl.steps, not both")
         # wrong types in these inputs are left for TrainSpec to reject with its own message
-        dataset = d["data"].get("dataset")
-        size = rows if rows is not None else _positive(dataset.get("size") if isinstance(dataset, dict) else None, 200)
+        size = _training_rows(body, d["data"], rows, prompts)
         batch = _positive(d.get("prompts_per_step"), TrainSpec.prompts_per_step)
         d["steps"] = math.ceil(h.n_epochs * size / batch) * _positive(d.get("rl", {}).get("mu"), 1)
         came_from["steps"] = f"{p}.n_epochs"
@@ -224,7 +238,7 @@ def build_spec(body: JobCreate, lookup_file: Callable[[str], File | None],
                                                              for g in leaves(built)) if p), None))
             if problem:
                 raise _invalid(param, problem)
-    came_from = _hyper(body, d, qerl, rows)
+    came_from = _hyper(body, d, qerl, rows, prompts)
     # a held-out split takes distinct questions: those counted at upload, else (an older upload) the rows
     distinct = prompts if prompts is not None else rows
     dataset = data.get("dataset")

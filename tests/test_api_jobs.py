@@ -55,9 +55,10 @@ def test_create_maps_the_request_to_a_train_spec(client, key_a, file_id, db_sess
     spec = TrainSpec.from_dict(job["qerl"]["spec"])  # what the worker will run, valid as stored
     assert spec.quantization == "nf4" and spec.rl.algorithm == "grpo" and spec.lora.r == 8
     assert spec.aqn.enabled is False and spec.prompts_per_step == 4 and spec.rollout.num_generations == 8
-    assert spec.optim.lr == pytest.approx(2e-5) and spec.steps == 20  # ceil(2 epochs * 40 rows / 4)
+    # ceil(2 epochs * 30 rows / 4): a quarter of the 40 rows' prompts is held out
+    assert spec.optim.lr == pytest.approx(2e-5) and spec.steps == 15 and spec.data.eval_size == 10
     assert spec.data.train_file == f"files/{file_id}.jsonl" and spec.data.dataset is None
-    assert job["qerl"]["progress"] == {"step": 0, "total_steps": 20} and job["qerl"]["attempt"] == 0
+    assert job["qerl"]["progress"] == {"step": 0, "total_steps": 15} and job["qerl"]["attempt"] == 0
     with db_sessions() as s:
         row = s.get(Job, job["id"])
         assert row.project == key_a.project and row.request["seed"] == 7 and row.spec == job["qerl"]["spec"]
@@ -187,6 +188,28 @@ def test_the_held_out_split_is_sized_by_distinct_prompts(client, key_a, db_sessi
                        param="qerl.data.eval_size")
     assert "8 distinct prompts (in 40 rows)" in err["message"], err["message"]
     assert job_count(db_sessions, key_a.project) == 1
+
+
+def test_n_epochs_counts_the_rows_the_held_out_prompts_leave(client, key_a, db_sessions):
+    """n_epochs passes over the training split: the file less the rows of its held-out prompts (all
+    of a repeated prompt's rows go with it), the whole file with a validation file or nothing held
+    out; a built-in task's questions less those held out."""
+    rows = [{"prompt": f"Q{i % 8}?", "answer": "x"} for i in range(40)]  # 8 prompts, 5 rows each
+    file_id = upload(client, key_a, jsonl(rows)).json()["id"]
+
+    def steps(extra: dict, **hyper) -> int:
+        method = {"type": "reinforcement", "reinforcement": {
+            "grader": STRING_CHECK, "hyperparameters": {"n_epochs": 1, "batch_size": 5, **hyper}}}
+        resp = client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=body(file_id, method=method, **extra))
+        assert resp.status_code == 200, resp.text
+        return resp.json()["qerl"]["spec"]["steps"]
+
+    assert steps({}) == 6  # 2 of 8 prompts held out: 30 rows
+    assert steps({}, eval_samples=4) == 4  # 20 rows
+    assert steps({}, eval_samples=0) == 8
+    assert steps({"validation_file": file_id}) == 8
+    assert steps({"training_file": None, "qerl": {"dataset": {**RG, "size": 60}}}) == 9  # 60 - 15 questions
+    assert job_count(db_sessions, key_a.project) == 5
 
 
 def test_a_small_built_in_dataset_holds_out_a_quarter(client, key_a, db_sessions):
