@@ -164,10 +164,11 @@ def files_list(base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJson
         return _print_json(files)
     if not files:
         return out.print("no files yet (qerl files upload train.jsonl uploads one)", highlight=False)
-    table = _table("id", "filename", "purpose", "size", "rows", "created")
+    table = _table("id", "filename", "purpose", "size", "rows", "prompts", "created")
     for f in files:
-        table.add_row(f["id"], escape(f["filename"]), f["purpose"], _size(f["bytes"]),
-                      str((f.get("qerl") or {}).get("rows", "")), _when(f.get("created_at")))
+        q = f.get("qerl") or {}
+        table.add_row(f["id"], escape(f["filename"]), f["purpose"], _size(f["bytes"]), str(q.get("rows", "")),
+                      str(q["prompts"]) if q.get("prompts") is not None else "-", _when(f.get("created_at")))
     out.print(table)
 
 

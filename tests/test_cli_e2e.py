@@ -111,6 +111,8 @@ def test_the_results_file_holds_every_steps_metrics(cli_job: CliJob, qerl_server
     said = qerl_server.qerl("files", "upload", str(tmp_path / "extra.jsonl"))
     assert said.returncode == 0 and "3 rows (2 distinct prompts)" in said.stdout, (said.stdout, said.stderr)
     extra = said.stdout.split()[0]
+    line = next(x for x in qerl_server.qerl("files", "list").stdout.splitlines() if extra in x)
+    assert [c.strip() for c in line.split("│")][5:7] == ["3", "2"], line  # rows, prompts
     gone = qerl_server.qerl("files", "delete", extra)
     assert gone.returncode == 0 and f"deleted {extra}" in gone.stdout, gone.stderr
     assert extra not in [f["id"] for f in json.loads(qerl_server.qerl("files", "list", "--json").stdout)]
