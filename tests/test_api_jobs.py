@@ -237,7 +237,7 @@ def test_a_file_whose_rows_lack_a_field_the_grader_reads_is_refused_at_create(cl
                        param="training_file")
     assert err["message"] == (f"training_file {bad}: the grader reads fields every row must have: item.answer is "
                               "in 38 of 40 rows; the rows' fields are answer, answr, messages. Add 'answer' to every "
-                              "row, or change the grader's templates"), err
+                              "row, or change what the grader reads"), err
     err = assert_error(client.post("/v1/fine_tuning/jobs", headers=key_a.headers,
                                    json=body(good, validation_file=bad)), 422, param="validation_file")
     assert err["message"].startswith(f"validation_file {bad}: "), err
@@ -248,6 +248,31 @@ def test_a_file_whose_rows_lack_a_field_the_grader_reads_is_refused_at_create(cl
     assert resp.status_code == 200, resp.text
     resp = client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=body(good, validation_file=good))
     assert resp.status_code == 200, resp.text
+
+
+def test_a_python_grader_reading_a_field_rows_lack_is_refused_at_create(client, key_a, db_sessions):
+    """A python grader whose code reads item["answer"] on every call is refused over a file some of
+    whose rows lack it (it would raise KeyError at such a row's first sample); one that reads it
+    with item.get, or only on some paths, takes the same file."""
+    rows = training_rows(20)
+    typo = [{"answr" if k == "answer" else k: v for k, v in r.items()} if i == 3 else r for i, r in enumerate(rows)]
+    bad = upload(client, key_a, jsonl(typo)).json()["id"]
+
+    def create(source: str) -> httpx.Response:
+        method = {"type": "reinforcement", "reinforcement": {"grader": {"type": "python", "name": "py",
+                                                                         "source": source}}}
+        return client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=body(bad, method=method))
+
+    err = assert_error(create("def grade(sample, item):\n"
+                              "    return float(sample['output_text'].strip() == str(item['answer']))\n"),
+                       422, param="training_file")
+    assert "item.answer is in 19 of 20 rows" in err["message"], err
+    assert job_count(db_sessions, key_a.project) == 0
+    for source in ("def grade(sample, item):\n    return float(sample['output_text'] == item.get('answer'))\n",
+                   "def grade(sample, item):\n    if 'answer' not in item:\n        return 0.0\n"
+                   "    return float(sample['output_text'] == item['answer'])\n"):
+        assert create(source).status_code == 200
+    assert job_count(db_sessions, key_a.project) == 2
 
 
 def test_rows_naming_no_task_for_a_reasoning_gym_grader_without_one_are_refused_at_create(client, key_a,

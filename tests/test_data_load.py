@@ -80,7 +80,7 @@ def test_field_counts_and_what_a_grader_misses():
     text = missing_item_fields({"level", "answer", "why"}, counts, 5, "training_file f", {"answer": 2})
     assert text == ("training_file f: the grader reads fields every row must have: item.answer is in 3 of 5 rows "
                     "(the first without it: line 2), item.why is in 0 of 5 rows; the rows' fields are answer, "
-                    "answr, level, prompt. Add 'answer', 'why' to every row, or change the grader's templates")
+                    "answr, level, prompt. Add 'answer', 'why' to every row, or change what the grader reads")
     many = {f"f{i:02d}": 1 for i in range(25)}
     assert "f19, ... (25 in all). Add 'x'" in missing_item_fields({"x"}, many, 1, "w")
 

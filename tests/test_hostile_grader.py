@@ -95,6 +95,39 @@ def test_a_failing_python_grader_fails_the_job_with_grader_error_not_as_a_datase
     assert info.value.code == "grader_error" and "'huge' returned inf" in str(info.value)
 
 
+# grade() bodies, the item fields a row must have for them (read on every call), and a row that
+# lacks a field the body reads only on some paths (it must grade, not raise)
+ITEM_READS = [
+    ("return float(sample['output_text'] == item['answer'])", {"answer"}, None),
+    ("'doc'\n    a = item['a'].strip() + str(item['meta']['x'])\n    if 'b' in item:\n"
+     "        return float(item['b'])\n    return float(len(a) + item['c'])", {"a", "meta"},
+     {"a": "s", "meta": {"x": 1}, "c": 1}),
+    ("x = item.get('a') or item['b']\n    y = item['c'] if x else 0\n    z = [item['e'] for _ in ()]\n"
+     "    item['f'] = 1\n    return float(item['g'] + item['f'])", {"g"}, {"a": 1, "c": 1, "g": 2}),
+    ("item['answer'] = item.get('answer', '')\n    return float(item['answer'] == sample['output_text'])",
+     set(), {}),
+    ("x = item['q']\n    item.update(answer='1')\n    return float(item['answer'] == x)", {"q"}, {"q": "1"}),
+    ("item = {'answer': '', **item}\n    return float(item['answer'] == '')", set(), {}),
+    ("try:\n        return float(item['answer'])\n    except KeyError:\n        return 0.0", set(), {}),
+    ("def inner():\n        return item['k']\n    return 0.0 if sample else float(inner())", set(), {}),
+]
+
+
+@pytest.mark.parametrize("body,reads,partial", ITEM_READS)
+def test_the_item_fields_a_python_grader_reads_on_every_call(body: str, reads: set, partial) -> None:
+    """A python grader's item_fields are the fields its code reads on every call: a row without any
+    one of them raises KeyError in the sandbox (so refusing such a row ahead refuses only jobs that
+    would fail), and a row with them but without a field read only on some paths grades."""
+    g = grader(f"def grade(sample, item):\n    {body}\n", MODES["hook-only"])
+    assert g.item_fields == reads
+    full = {"answer": "4", "a": "s", "meta": {"x": 1}, "b": 1, "c": 1, "e": 1, "g": 2, "q": "1", "k": 1}
+    for name in reads:
+        with pytest.raises(GraderError, match="KeyError"):
+            g("4", {k: v for k, v in full.items() if k != name})
+    if partial is not None:
+        assert isinstance(g("4", partial)[0], float)
+
+
 def test_memory_bomb_fails(limits: Limits) -> None:
     from dataclasses import replace
 

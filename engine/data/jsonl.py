@@ -81,7 +81,7 @@ def missing_item_fields(needed: Iterable[str], counts: Mapping[str, int], rows: 
     names = sorted(counts)
     have = ", ".join(names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
     return (f"{where}: the grader reads fields every row must have: {lacking}; the rows' fields are {have}. "
-            f"Add {', '.join(repr(n) for n in short)} to every row, or change the grader's templates")
+            f"Add {', '.join(repr(n) for n in short)} to every row, or change what the grader reads")
 
 
 def _check_line(raw: bytes, max_line_bytes: int, max_depth: int) -> tuple[str | None, dict | None]:

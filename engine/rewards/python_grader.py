@@ -287,6 +287,58 @@ def _check_source(source: Any, path: str) -> str:
     return source
 
 
+def item_reads(source: str) -> set[str]:
+    """The top-level item fields ``grade`` reads as ``item["name"]`` on every call: in the simple
+    statements its body starts with, up to the first one that branches, loops, returns, catches
+    or names ``item`` anew, outside short-circuits, conditional expressions and nested functions.
+    A row without one of them would raise KeyError at its first sample, so it is checked before a
+    job runs; reads the code may skip (``item.get``, a read under an ``if``) are not counted."""
+    tree = ast.parse(source, "<grader>")
+    fn = next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "grade")
+    item = (fn.args.posonlyargs + fn.args.args)[1].arg
+    found: set[str] = set()
+    written: set[str] = set()  # item["k"] = ... before a read: not the row's own field
+
+    def changes_item(stmt: ast.stmt) -> bool:
+        """Binds the name anew, writes a key not known ahead, or calls a method that may add keys."""
+        for n in ast.walk(stmt):
+            if isinstance(n, ast.NamedExpr) or (isinstance(n, ast.Name) and n.id == item
+                                                and isinstance(n.ctx, (ast.Store, ast.Del))):
+                return True
+            if (isinstance(n, ast.Subscript) and not isinstance(n.ctx, ast.Load) and isinstance(n.value, ast.Name)
+                    and n.value.id == item and not (isinstance(n.slice, ast.Constant) and isinstance(n.slice.value, str))):
+                return True
+            if (isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == item
+                    and n.attr not in ("get", "keys", "values", "items")):
+                return True
+        return False
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.IfExp,
+                             ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            return  # may not run, or not with this item
+        if isinstance(node, ast.BoolOp):
+            return visit(node.values[0])  # the rest may be short-circuited
+        if (isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and isinstance(node.value, ast.Name)
+                and node.value.id == item and isinstance(node.slice, ast.Constant)
+                and isinstance(node.slice.value, str) and node.slice.value not in written):
+            found.add(node.slice.value)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    for stmt in fn.body:
+        if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.Expr, ast.Return)):
+            break
+        if changes_item(stmt):
+            break
+        visit(stmt)  # the value is read before the targets are written
+        written.update(n.slice.value for n in ast.walk(stmt) if isinstance(n, ast.Subscript)
+                       and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name) and n.value.id == item)
+        if isinstance(stmt, ast.Return):
+            break
+    return found
+
+
 def sample_of(text: str) -> dict[str, Any]:
     """OpenAI's ``sample`` argument: the output text, and its JSON when the text is JSON."""
     try:
@@ -305,6 +357,7 @@ class PythonGrader(Grader):
         check_fields(cfg, path, required=("source",), optional=("image_tag",))
         super().__init__(grader_name(cfg, path))
         self.source = _check_source(cfg["source"], path)
+        self.item_fields = item_reads(self.source)
         if "image_tag" in cfg:
             get_str(cfg, "image_tag", path)  # accepted for compatibility; the host's Python runs it
         self.limits = limits or Limits()
