@@ -133,7 +133,7 @@ def test_path_traversal_in_every_id_and_filename(client, key_a, api_settings, tm
                                  ("POST", "/v1/fine_tuning/jobs/{}/pause"), ("POST", "/v1/fine_tuning/jobs/{}/resume"),
                                  ("DELETE", "/v1/adapters/{}"), ("DELETE", "/v1/models/{}")]:
             assert client.request(method, template.format(evil), headers=key_a.headers).status_code in (400, 404, 405)
-        for path in ["/v1/files", "/v1/fine_tuning/jobs", "/v1/adapters", f"/v1/fine_tuning/jobs/x/checkpoints",
+        for path in ["/v1/files", "/v1/fine_tuning/jobs", "/v1/adapters", "/v1/fine_tuning/jobs/x/checkpoints",
                      "/v1/fine_tuning/jobs/x/events"]:
             no_500(client.get(path, params={"after": evil}, headers=key_a.headers))
         no_500(client.get("/v1/fine_tuning/jobs/x/events", headers={**key_a.headers, "Accept": "text/event-stream",

@@ -188,7 +188,7 @@ def test_file_writes_outside_the_working_directory_are_refused(limits: Limits, t
     target = tmp_path / "escaped.txt"
     tries = [f"open({str(target)!r}, 'w').write('x')", "open('/tmp/qerl-grader-escape', 'w').write('x')",
              f"import os; os.close(os.open({str(target)!r}, os.O_WRONLY | os.O_CREAT))",
-             f"import os; os.symlink('/etc/passwd', 'link'); open('link', 'a').write('x')",
+             "import os; os.symlink('/etc/passwd', 'link'); open('link', 'a').write('x')",
              f"import shutil; shutil.copy('/etc/hostname', {str(target)!r})"]
     for code in tries:
         g = grader("def grade(sample, item):\n"

@@ -237,7 +237,7 @@ def test_workdirs_of_finished_jobs_are_removed_after_the_retention(sessions, tmp
         (ckpt / "optimizer.pt").write_bytes(b"x" * 1000)
     unknown = job_workdir(tmp_path, "ftjob-not-in-the-database")
     unknown.mkdir()
-    cut_short = tmp_path / "jobs" / f".ftjob-gone.removing" / "checkpoints"
+    cut_short = tmp_path / "jobs" / ".ftjob-gone.removing" / "checkpoints"
     cut_short.mkdir(parents=True)
     (tmp_path / "adapters").mkdir()
     (tmp_path / "adapters" / "adapter-x.tar.gz").write_bytes(b"tarball")
