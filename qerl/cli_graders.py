@@ -37,8 +37,10 @@ def graders_validate(grader: GraderFile, base_url: BaseUrl = None, api_key: ApiK
         body = client.post("/v1/fine_tuning/alpha/graders/validate", {"grader": load_spec(grader, GRADER)})
     if as_json:
         return _print_json(body)
+    fields = (body.get("qerl") or {}).get("item_fields") or []
     out.print(f"[green]valid[/]: {escape(body['grader'].get('type', ''))} grader "
-              f"{escape(str(body['grader'].get('name', '')))}".rstrip())
+              f"{escape(str(body['grader'].get('name', '')))}".rstrip()
+              + (f"; every row must have {escape(', '.join(fields))}" if fields else ""), highlight=False)
 
 
 @graders_app.command("run")

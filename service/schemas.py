@@ -273,8 +273,13 @@ class GraderRun(_BoundedIn):
     item: dict[str, Any] = Field(default_factory=dict, description="the dataset row: fills {{item.<field>}}")
 
 
+class GraderValidatedQerl(BaseModel):
+    item_fields: list[str] = Field(default_factory=list)  # top-level fields every row must have
+
+
 class GraderValidated(BaseModel):
     grader: dict[str, Any]
+    qerl: GraderValidatedQerl = Field(default_factory=GraderValidatedQerl)
 
 
 class GraderRunErrors(BaseModel):

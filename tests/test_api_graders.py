@@ -76,16 +76,18 @@ def lcs(a: str, b: str) -> int:
 
 
 # -- validate --------------------------------------------------------------------------------
-@pytest.mark.parametrize("grader", [ANSWER, MULTI, PY_OK, {"type": "reasoning_gym", "task": "products"},
-                                    {"type": "text_similarity", "input": "{{sample.output_text}}",
-                                     "reference": "{{item.ref}}", "evaluation_metric": "fuzzy_match",
-                                     "pass_threshold": 0.8},
-                                    {"type": "text_similarity", "input": "{{sample.output_text}}",
-                                     "reference": "{{item.ref}}", "evaluation_metric": "rouge_l"}])
-def test_validate_returns_the_grader_as_given(client, key_a, grader):
+@pytest.mark.parametrize("grader,fields", [
+    (ANSWER, ["answer"]), (MULTI, ["solution"]), (PY_OK, ["total"]),
+    ({"type": "reasoning_gym", "task": "products"}, ["answer"]),
+    ({"type": "text_similarity", "input": "{{sample.output_text}}", "reference": "{{item.ref}}",
+      "evaluation_metric": "fuzzy_match", "pass_threshold": 0.8}, ["ref"]),
+    ({"type": "text_similarity", "input": "{{item.a}} {{sample.output_text}}", "reference": "{{item.ref}}",
+      "evaluation_metric": "rouge_l"}, ["a", "ref"]),
+    (FORMAT, [])])
+def test_validate_returns_the_grader_as_given_and_the_fields_rows_need(client, key_a, grader, fields):
     resp = client.post(VALIDATE, headers=key_a.headers, json={"grader": grader})
     assert resp.status_code == 200, resp.text
-    assert resp.json() == {"grader": grader}
+    assert resp.json() == {"grader": grader, "qerl": {"item_fields": fields}}
 
 
 BAD = [  # (grader, param, words of the message)
@@ -430,7 +432,7 @@ def test_cli_validate_and_run(live_server, key_a, tmp_path: Path):
     runner = CliRunner()
 
     ok = runner.invoke(cli_app, ["graders", "validate", str(grader), *server])
-    assert ok.exit_code == 0 and "valid" in ok.stdout and "multi" in ok.stdout, ok.output
+    assert ok.exit_code == 0 and "valid: multi grader reasoning; every row must have solution" in ok.stdout, ok.output
     scored = runner.invoke(cli_app, ["graders", "run", str(grader), "--sample", "<think>.</think><answer>11</answer>",
                                      "--item", str(item), "--json", *server])
     assert scored.exit_code == 0, scored.output

@@ -20,7 +20,7 @@ from service.deps import ReleasingRoute, SettingsDep
 from service.errors import APIError
 from service.jobspec import check_grader
 from service.schemas import (GraderRun, GraderRunErrors, GraderRunMetadata, GraderRunQerl, GraderRunResult,
-                             GraderValidate, GraderValidated)
+                             GraderValidate, GraderValidated, GraderValidatedQerl)
 
 router = APIRouter(prefix="/fine_tuning/alpha/graders", tags=["graders"], route_class=ReleasingRoute)
 # grading processes at once in this API process; each holds a request thread for up to its budget
@@ -31,9 +31,11 @@ RETRY_AFTER_S = 2
 
 @router.post("/validate", response_model=GraderValidated)
 def validate_grader(body: GraderValidate, key: CurrentKey) -> GraderValidated:
-    """The grader as given, or 422 naming its bad field (``grader.graders.answer.operation``) and the fix."""
-    check_grader(body.grader)
-    return GraderValidated(grader=body.grader)
+    """The grader as given, with the item fields every row of a job's files must have for it (a
+    job over rows without one is refused), or 422 naming its bad field
+    (``grader.graders.answer.operation``) and the fix."""
+    grader = check_grader(body.grader)
+    return GraderValidated(grader=body.grader, qerl=GraderValidatedQerl(item_fields=sorted(grader.item_fields)))
 
 
 @router.post("/run", response_model=GraderRunResult)
