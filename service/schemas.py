@@ -112,7 +112,7 @@ class FileObject(BaseModel):
     status: str
     expires_at: int | None = None
     status_details: str | None = None
-    qerl: dict[str, Any] = Field(default_factory=dict)  # rows, prompts (distinct; None: not counted), sha256
+    qerl: dict[str, Any] = Field(default_factory=dict)  # rows, prompts (distinct), fields ({name: rows}), sha256; None: not counted
 
 
 class FileDeleted(BaseModel):

@@ -23,7 +23,7 @@ def unix(dt: datetime | None) -> int | None:
 
 def file_view(f: m.File) -> s.FileObject:
     return s.FileObject(id=f.id, bytes=f.bytes, created_at=unix(f.created_at) or 0, filename=f.filename,
-                        purpose=f.purpose, status=f.status, qerl={"rows": f.rows, "prompts": f.prompts, "sha256": f.sha256})
+                        purpose=f.purpose, status=f.status, qerl={"rows": f.rows, "prompts": f.prompts, "fields": f.fields, "sha256": f.sha256})
 
 
 def event_id(event_pk: int) -> str:

@@ -46,7 +46,8 @@ def test_upload_list_get_content_delete(client, key_a, api_settings):
     f = resp.json()
     assert f["object"] == "file" and f["purpose"] == "fine-tune" and f["status"] == "processed"
     assert f["bytes"] == len(data) and f["filename"] == "train.jsonl"
-    assert f["qerl"] == {"rows": 3, "prompts": 3, "sha256": hashlib.sha256(data).hexdigest()}
+    assert f["qerl"] == {"rows": 3, "prompts": 3, "fields": {"messages": 3, "answer": 3},
+                         "sha256": hashlib.sha256(data).hexdigest()}
     assert isinstance(f["created_at"], int)
 
     second = upload(client, key_a, jsonl(training_rows(1)), name="b.jsonl").json()

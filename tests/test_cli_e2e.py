@@ -107,9 +107,10 @@ def test_the_results_file_holds_every_steps_metrics(cli_job: CliJob, qerl_server
     # files delete: an upload nobody uses goes; the listing no longer has it. Its upload says that
     # its 3 rows ask 2 distinct questions (what a held-out split can take)
     (tmp_path / "extra.jsonl").write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n' * 2
-                                          + '{"prompt": "What is 2 + 2?", "answer": "4"}\n')
+                                          + '{"prompt": "What is 2 + 2?", "answr": "4"}\n')
     said = qerl_server.qerl("files", "upload", str(tmp_path / "extra.jsonl"))
     assert said.returncode == 0 and "3 rows (2 distinct prompts)" in said.stdout, (said.stdout, said.stderr)
+    assert "\nfields: answer (in 2 of 3 rows), answr (in 1 of 3 rows), prompt\n" in said.stdout, said.stdout
     extra = said.stdout.split()[0]
     line = next(x for x in qerl_server.qerl("files", "list").stdout.splitlines() if extra in x)
     assert [c.strip() for c in line.split("│")][5:7] == ["3", "2"], line  # rows, prompts
