@@ -186,3 +186,15 @@ def test_every_command_writes_whole_lines_into_a_log():
         run_env = env if columns is None else {**env, "COLUMNS": columns}
         got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=run_env, check=True)
         assert got.stdout.split() == [want] * len(modules), got
+
+
+def test_python_m_qerl_is_the_qerl_command():
+    """`python -m qerl` runs the same command as the `qerl` script (for a venv not on PATH)."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "qerl", "jobs", "--help"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "COLUMNS": "120"})
+    assert done.returncode == 0, done.stderr
+    assert "Usage: python -m qerl jobs" in done.stdout and "watch" in done.stdout, done.stdout
