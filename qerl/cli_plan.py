@@ -107,12 +107,14 @@ BODY_KEYS = ("qerl", "training_file", "validation_file", "method", "hyperparamet
 
 def spec_from_body(body: dict):
     """The TrainSpec the service builds from a job body (service.jobspec.build_spec), with its
-    training_file and validation_file as local JSONL paths where they are files here (an uploaded
-    file's id stays as it is: its prompts cannot be read)."""
+    training_file and validation_file as local JSONL paths where they are files here, counted as an
+    upload counts them (an uploaded file's id stays as it is: its prompts cannot be read)."""
     from types import SimpleNamespace
 
     from pydantic import ValidationError
 
+    from engine.data.jsonl import field_counts, parse_jsonl
+    from engine.data.prompts import count_prompts
     from engine.spec import TrainSpec
     from service.errors import APIError, loc_to_param
     from service.jobspec import build_spec
@@ -129,8 +131,16 @@ def spec_from_body(body: dict):
         raise ValueError(f"{loc_to_param(('body', *first['loc']))}: {first['msg']}") from None
 
     def lookup_file(file_id: str):
+        """A local JSONL file counted as an upload counts it (its held-out split and the grader's
+        fields are then the service's); an uploaded file's id, uncounted."""
         path = Path(file_id).expanduser()
-        return SimpleNamespace(purpose="fine-tune", rows=None, path=str(path.resolve()) if path.is_file() else file_id)
+        if not path.is_file():
+            return SimpleNamespace(purpose="fine-tune", rows=None, path=file_id)
+        rows, errors = parse_jsonl(path.read_bytes())
+        if errors:
+            raise ValueError(f"{file_id} is not a valid JSONL training file: {'; '.join(errors)}")
+        return SimpleNamespace(purpose="fine-tune", rows=len(rows), prompts=count_prompts(rows),
+                               fields=field_counts(rows), path=str(path.resolve()))
 
     try:
         _, spec = build_spec(request, lookup_file)

@@ -284,6 +284,14 @@ def test_qerl_plan_takes_a_job_body_as_the_service_would_run_it(tmp_path):
     assert uploaded.exit_code == 0 and "file-abc123 is not a file here" in out, out
     assert f"32 rollouts of {TrainSpec().data.max_prompt_tokens} + 512" in out, out  # the field's default
 
+    # the local file is counted as an upload is: a quarter of its 38 prompts held out unless set, and a
+    # grader reading a field some rows lack refused as the API refuses it
+    from qerl.cli_plan import spec_from_body
+
+    assert spec_from_body(body | {"qerl": {}}).data.eval_size == 9
+    (tmp_path / "typo.jsonl").write_text(rows.read_text().replace('"answer"', '"answr"', 1))
+    with pytest.raises(ValueError, match="training_file: .* item.answer is in 37 of 38 rows"):
+        spec_from_body(body | {"training_file": str(tmp_path / "typo.jsonl")})
     for doc, field in ((body | {"model": "ft:smollm2-135m-instruct:acme:abc123"}, "model"),
                        (body | {"surprise": 1}, "surprise"),
                        (body | {"method": {"type": "supervised"}}, "method.type")):
