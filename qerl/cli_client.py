@@ -384,9 +384,39 @@ def jobs_get(job_id: str, base_url: BaseUrl = None, api_key: ApiKey = None, as_j
         rows.insert(2, ("queue position", f"{q['queue_position']} (1: the next job a free worker takes)"))
     if job.get("error"):
         rows.append(("error", f"[red]{escape(job['error']['code'])}: {escape(job['error']['message'])}[/]"))
+    rows += [(k, escape(v)) for k, v in settings(q.get("spec") or {})]
     for k, v in rows:
         table.add_row(f"[bold]{k}[/]", str(v))
     out.print(table)
+
+
+def settings(spec: dict[str, Any]) -> list[tuple[str, str]]:
+    """A job's training settings in a few lines (its spec, as the worker runs it; the dashboard's
+    Settings panel shows the same)."""
+    if not spec:
+        return []
+    rl, lora, optim, r, aqn, data = (spec.get(k) or {} for k in ("rl", "lora", "optim", "rollout", "aqn", "data"))
+    grader = spec.get("grader") or {}
+    held = data.get("eval_size", 0)
+    if data.get("validation_file"):
+        evaluation = f"{held} rows of the validation file"
+    else:
+        evaluation = f"{held} held-out prompts" if held else "none held out"
+    if held or data.get("validation_file"):
+        every = spec.get("eval_interval") or 0
+        evaluation += f", every {every} steps" if every else ", at the start and the end"
+    kl = rl.get("kl_coef") or 0
+    return [
+        ("algorithm", f"{rl.get('algorithm', '')}" + (f", KL {kl:g}" if kl else "")),
+        ("LoRA", f"r={lora.get('r')}, alpha={lora.get('alpha', 0):g}" + (", rsLoRA" if lora.get("use_rslora") else "")),
+        ("learning rate", f"{optim.get('lr', 0):g} ({optim.get('schedule', '')}, warmup {optim.get('warmup_ratio', 0):g})"),
+        ("rollouts", f"{spec.get('prompts_per_step')} prompts x {r.get('num_generations')} samples a step, up to "
+                     f"{r.get('max_new_tokens')} tokens, temperature {r.get('temperature', 1):g}"),
+        ("AQN", f"sigma {aqn.get('sigma_start', 0):g} -> {aqn.get('sigma_end', 0):g} in {aqn.get('stages')} stages"
+                if aqn.get("enabled") else "off"),
+        ("evaluation", evaluation),
+        ("grader", f"{grader.get('type', '')} {grader.get('name', '')}".strip()),
+    ]
 
 
 @jobs_app.command("cancel")

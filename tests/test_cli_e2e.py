@@ -69,6 +69,13 @@ def test_list_get_and_events(cli_job: CliJob, qerl_server: Served) -> None:
     got = qerl_server.qerl("jobs", "get", cli_job.job_id)
     assert got.returncode == 0 and cli_job.job["fine_tuned_model"] in got.stdout
     assert cli_job.job["qerl"]["adapter_id"] in got.stdout
+    # its settings as the job body and the defaults made them (the YAML's qerl fields)
+    shown = " ".join(got.stdout.split())
+    for want in ("algorithm dapo", "LoRA r=4, alpha=4", "learning rate 1e-05 (cosine, warmup 0.1)",
+                 "rollouts 2 prompts x 2 samples a step, up to 8 tokens, temperature 1",
+                 "AQN sigma 0.01 -> 0.0005 in 10 stages", "evaluation 2 held-out prompts, at the start and the end",
+                 "grader text_similarity similarity"):
+        assert want in shown, got.stdout
     # --follow on a finished job replays the whole log and stops by itself
     follow = qerl_server.qerl("jobs", "events", cli_job.job_id, "--follow", "--json", timeout=60)
     assert follow.returncode == 0, follow.stderr

@@ -122,6 +122,15 @@ def test_dashboard_shows_the_finished_job_with_its_curves(browser, cli_job: CliJ
     for metric in want:
         assert _series_pixels(driver, metric) > 20, f"the {metric} chart has no painted series"
 
+    # the job's settings read as `qerl jobs get` prints them (the same spec, the same numbers)
+    from qerl.cli_client import settings
+
+    panel = driver.execute_script("return [...document.querySelectorAll('#job-settings > div')]"
+                                  ".map(d => [d.querySelector('dt').textContent, d.querySelector('dd').textContent])")
+    want = settings(cli_job.job["qerl"]["spec"])
+    assert [(k.lower(), v) for k, v in panel] == [(k.lower(), v) for k, v in want], panel
+    assert "LoRA" in driver.find_element(By.ID, "job-settings").text  # shown, not folded away
+
     events = driver.find_elements(By.CSS_SELECTOR, "#events li")
     assert any(f"Step {STEPS}/{STEPS}" in e.text for e in events)
     assert any("successfully completed" in e.text for e in events)

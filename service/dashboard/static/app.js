@@ -49,6 +49,38 @@
     if (a !== 0 && (a < 1e-3 || a >= 1e5)) return v.toExponential(1);
     return a >= 100 ? v.toFixed(0) : String(+v.toPrecision(3));
   }
+  // Python's '{:g}', so that the Settings panel reads as `qerl jobs get` prints the same spec.
+  function g(v) {
+    if (typeof v !== 'number' || !Number.isFinite(v)) return String(v);
+    if (v === 0) return '0';
+    const [mant, exp] = v.toExponential(5).split('e');
+    const e = Number(exp);
+    const m = mant.replace(/\.?0+$/, '');
+    if (e < -4 || e >= 6) return `${m}e${e < 0 ? '-' : '+'}${String(Math.abs(e)).padStart(2, '0')}`;
+    return String(Number(v.toPrecision(6)));
+  }
+  // A job's training settings in a few lines (qerl.cli_client.settings prints the same).
+  function settings(spec) {
+    if (!spec) return [];
+    const rl = spec.rl || {}, lora = spec.lora || {}, optim = spec.optim || {}, r = spec.rollout || {};
+    const aqn = spec.aqn || {}, data = spec.data || {}, grader = spec.grader || {};
+    const held = data.eval_size || 0;
+    let evaluation = data.validation_file ? `${held} rows of the validation file`
+      : (held ? `${held} held-out prompts` : 'none held out');
+    if (held || data.validation_file) {
+      evaluation += spec.eval_interval ? `, every ${spec.eval_interval} steps` : ', at the start and the end';
+    }
+    return [
+      ['Algorithm', `${rl.algorithm || ''}` + (rl.kl_coef ? `, KL ${g(rl.kl_coef)}` : '')],
+      ['LoRA', `r=${lora.r}, alpha=${g(lora.alpha || 0)}` + (lora.use_rslora ? ', rsLoRA' : '')],
+      ['Learning rate', `${g(optim.lr || 0)} (${optim.schedule || ''}, warmup ${g(optim.warmup_ratio || 0)})`],
+      ['Rollouts', `${spec.prompts_per_step} prompts x ${r.num_generations} samples a step, up to `
+        + `${r.max_new_tokens} tokens, temperature ${g(r.temperature ?? 1)}`],
+      ['AQN', aqn.enabled ? `sigma ${g(aqn.sigma_start || 0)} -> ${g(aqn.sigma_end || 0)} in ${aqn.stages} stages` : 'off'],
+      ['Evaluation', evaluation],
+      ['Grader', `${grader.type || ''} ${grader.name || ''}`.trim()],
+    ];
+  }
   // Axis ticks with as many decimals as the tick spacing needs (10.436 vs 10.438, not 10.4 twice).
   function ticks(_u, splits, _axis, _space, incr) {
     const big = Math.max(...splits.map((v) => Math.abs(v)));
@@ -318,8 +350,9 @@
         ['Fine-tuned model', j.fine_tuned_model || '–'], ['Trained tokens', j.trained_tokens ?? '–'],
       ];
       if (j.qerl.queue_position) facts.splice(2, 0, ['Queue position', `${j.qerl.queue_position} (1: next to start)`]);
-      document.getElementById('job-facts').replaceChildren(...facts.map(([k, v]) =>
-        el('div', {}, el('dt', {}, k), el('dd', { title: String(v) }, v))));
+      const dl = (pairs) => pairs.map(([k, v]) => el('div', {}, el('dt', {}, k), el('dd', { title: String(v) }, v)));
+      document.getElementById('job-facts').replaceChildren(...dl(facts));
+      document.getElementById('job-settings').replaceChildren(...dl(settings(j.qerl.spec)));
       const err = document.getElementById('job-error');
       err.hidden = !j.error;
       err.textContent = j.error ? `${j.error.code}: ${j.error.message}` : '';
