@@ -390,6 +390,44 @@ def jobs_get(job_id: str, base_url: BaseUrl = None, api_key: ApiKey = None, as_j
     out.print(table)
 
 
+@jobs_app.command("compare")
+@_errors_as_messages
+def jobs_compare(job_ids: Annotated[list[str], typer.Argument(help="two or more job ids")],
+                 only_differences: Annotated[bool, typer.Option(
+                     "--diff", help="only the settings in which the jobs differ")] = False,
+                 base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJson = False) -> None:
+    """Jobs side by side: their settings (those that differ in bold) and what they reached
+    (reward, held-out accuracy and reward from first to last, time, rollout speed)."""
+    from qerl.compare import results, side_by_side
+
+    if len(job_ids) < 2:
+        raise QerlError(422, "give two or more job ids to compare (qerl jobs list shows them)")
+    with _client(base_url, api_key) as client:
+        jobs = [client.job(j) for j in job_ids]
+        metrics = [client.metrics(j["id"]) for j in jobs]
+    setting_cols = [[("model", j["model"]), ("quantization", j["qerl"].get("quantization", "")),
+                     ("training file", j.get("training_file") or "-"),
+                     *settings(j["qerl"].get("spec") or {})] for j in jobs]
+    result_cols = [results(j, m) for j, m in zip(jobs, metrics)]
+    if as_json:
+        return _print_json({j["id"]: {"settings": dict(s), "results": dict(r)}
+                            for j, s, r in zip(jobs, setting_cols, result_cols)})
+    table = Table("", *(Column(j["id"], overflow="fold") for j in jobs))  # ids whole, as _table keeps them
+    rows = side_by_side(setting_cols)
+    same = [name for name, values in rows if len(set(values)) == 1]
+    for name, values in rows:
+        differs = len(set(values)) > 1
+        if differs or not only_differences:
+            table.add_row(f"[bold]{name}[/]" if differs else f"[dim]{name}[/]",
+                          *(f"[bold]{escape(v)}[/]" if differs else escape(v) for v in values))
+    table.add_section()
+    for name, values in side_by_side(result_cols):
+        table.add_row(f"[bold]{name}[/]", *(escape(v) for v in values))
+    out.print(table)
+    if only_differences and same:
+        out.print(f"[dim]the same in all: {', '.join(same)}[/]", highlight=False)
+
+
 def settings(spec: dict[str, Any]) -> list[tuple[str, str]]:
     """A job's training settings in a few lines (its spec, as the worker runs it; the dashboard's
     Settings panel shows the same)."""

@@ -554,3 +554,50 @@ def test_empty_lists_say_so_and_how_to_fill_them(qerl_server: Served) -> None:
         shown = qerl_server.qerl(*args, *key)
         assert shown.returncode == 0 and shown.stdout.strip() == said, shown.stdout + shown.stderr
     assert qerl_server.qerl("files", "list", *key, "--json").stdout.strip() == "[]"  # JSON stays JSON
+
+
+def test_compare_puts_jobs_side_by_side(cli_job: CliJob, qerl_server: Served, tmp_path: Path) -> None:
+    """Two jobs on the same file that differ in their learning rate and LoRA rank: compare shows
+    every setting with the differing ones marked, and what each reached as its metrics say (first
+    and last training reward, held-out accuracy before and after); --diff keeps only the
+    differences; --json the same numbers; fewer than two ids is an error."""
+    from qerl.compare import results
+
+    from tests._client_server import JOB_SPEC_YAML
+
+    (tmp_path / "job.yaml").write_text(JOB_SPEC_YAML)
+    created = qerl_server.qerl("jobs", "create", str(tmp_path / "job.yaml"), "--training-file", cli_job.file_id,
+                               "--steps", "1", "--learning-rate", "2e-5", "--lora-r", "8", "--json")
+    assert created.returncode == 0, created.stderr
+    other = json.loads(created.stdout)["id"]
+    watch = qerl_server.qerl("jobs", "watch", other, "--interval", "0.3", timeout=300)
+    assert watch.returncode == 0, (watch.stdout, watch.stderr)
+
+    shown = qerl_server.qerl("jobs", "compare", cli_job.job_id, other, env={**qerl_server.env, "COLUMNS": "250"})
+    assert shown.returncode == 0, shown.stderr
+    cells = {c[0]: c[1:] for c in ([x.strip() for x in line.split("│")[1:-1]] for line in shown.stdout.splitlines()
+                                   if line.startswith("│"))}
+    text = " ".join(shown.stdout.split())
+    assert cli_job.job_id in text and other in text
+    assert "LoRA │ r=4, alpha=4 │ r=8, alpha=8" in text, shown.stdout
+    assert "learning rate │ 1e-05 (cosine, warmup 0.1) │ 2e-05 (cosine, warmup 0.1)" in text, shown.stdout
+    assert "grader │ text_similarity similarity │ text_similarity similarity" in text
+    for job_id, column in ((cli_job.job_id, 0), (other, 1)):
+        job = httpx.get(f"{qerl_server.url}/v1/fine_tuning/jobs/{job_id}", headers=qerl_server.headers).json()
+        metrics = httpx.get(f"{qerl_server.url}/v1/fine_tuning/jobs/{job_id}/metrics",
+                            headers=qerl_server.headers).json()["data"]
+        reached = dict(results(job, metrics))
+        first = next(m["values"]["reward_mean"] for m in metrics if "reward_mean" in m["values"])
+        last = [m["values"]["reward_mean"] for m in metrics if "reward_mean" in m["values"]][-1]
+        assert reached["reward"].startswith(f"{first:.3f}") and f"{last:.3f}" in reached["reward"], reached
+        assert reached["held-out accuracy"].startswith(
+            f"{next(m['values']['eval/accuracy'] for m in metrics if 'eval/accuracy' in m['values']):.3f}")
+        assert reached["status"] == "succeeded"
+        assert [cells[name][column] for name in reached] == list(reached.values()), shown.stdout
+    diff = qerl_server.qerl("jobs", "compare", cli_job.job_id, other, "--diff", env={**qerl_server.env, "COLUMNS": "250"})
+    assert diff.returncode == 0 and "LoRA" in diff.stdout and "grader │" not in diff.stdout, diff.stdout
+    assert "the same in all: model, quantization, training file, algorithm" in " ".join(diff.stdout.split())
+    as_json = json.loads(qerl_server.qerl("jobs", "compare", cli_job.job_id, other, "--json").stdout)
+    assert as_json[other]["settings"]["learning rate"].startswith("2e-05") and as_json[other]["results"]["steps"] == "1/1"
+    one = qerl_server.qerl("jobs", "compare", other)
+    assert one.returncode == 1 and "two or more job ids" in one.stdout + one.stderr
