@@ -198,3 +198,24 @@ def test_python_m_qerl_is_the_qerl_command():
                           timeout=120, env={**os.environ, "COLUMNS": "120"})
     assert done.returncode == 0, done.stderr
     assert "Usage: python -m qerl jobs" in done.stdout and "watch" in done.stdout, done.stdout
+
+
+def test_compare_results_from_a_jobs_metrics():
+    """What compare says a job reached, from its metrics rows: the first and last value of each
+    metric over the steps that have it, '-' where none does, the time from start to finish."""
+    from qerl.compare import results, side_by_side
+
+    job = {"status": "succeeded", "qerl": {"progress": {"step": 3, "total_steps": 3}, "started_at": 100},
+           "finished_at": 100 + 3725}
+    metrics = [{"step": 0, "values": {"eval/accuracy": 0.25, "eval/reward_mean": 0.5}},
+               {"step": 1, "values": {"reward_mean": 0.1, "rollout_tokens_per_s": 100.0}},
+               {"step": 2, "values": {"reward_mean": float("nan"), "rollout_tokens_per_s": 300.0}},
+               {"step": 3, "values": {"reward_mean": 0.4, "eval/accuracy": 0.75}}]
+    assert results(job, metrics) == [
+        ("status", "succeeded"), ("steps", "3/3"), ("time", "1h02m"), ("reward", "0.100 -> 0.400 (steps 1-3)"),
+        ("held-out accuracy", "0.250 -> 0.750 (steps 0-3)"), ("held-out reward", "0.500 (step 0)"),
+        ("rollout tokens/s", "200")]
+    running = {"status": "running", "qerl": {"progress": {"step": 0, "total_steps": 5}, "started_at": 100}}
+    assert dict(results(running, []))["reward"] == "-" and dict(results(running, []))["time"] == "-"
+    assert side_by_side([[("a", "1"), ("b", "2")], [("b", "3"), ("c", "4")]]) == [
+        ("a", ["1", "-"]), ("b", ["2", "3"]), ("c", ["-", "4"])]
