@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import secrets
 import sys
 import tempfile
 from datetime import datetime
@@ -23,7 +24,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, Trans
 from rich.table import Column, Table
 
 from qerl.client import Client, QerlError
-from qerl.jobbody import build_job_body, load_spec
+from qerl.jobbody import build_job_body, load_spec, sweep_bodies, sweep_points
 from qerl.term import stdout_console
 from qerl.watch import follow_events, watch_job
 
@@ -228,12 +229,14 @@ def jobs_create(
     suffix: Annotated[Optional[str], typer.Option(help="added to the fine-tuned model name")] = None,
     metadata: Annotated[Optional[list[str]], typer.Option(help="KEY=VALUE, repeatable")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="any body field: a.b.c=VALUE (JSON value), repeatable")] = None,
+    sweep: Annotated[Optional[list[str]], typer.Option(
+        "--sweep", help="a.b.c=[V1,V2,...]: one job per value (per combination when repeated)")] = None,
     idempotency_key: Annotated[Optional[str], typer.Option(help="retries with the same key create one job")] = None,
     dry_run: Annotated[bool, typer.Option(help="print the body instead of sending it")] = False,
     watch: Annotated[bool, typer.Option(help="then follow it like `qerl jobs watch`")] = False,
     base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJson = False,
 ) -> None:
-    """Submit a fine-tuning job (OpenAI's body; qerl options under "qerl")."""
+    """Submit a fine-tuning job (OpenAI's body; qerl options under "qerl"), or a sweep of them."""
     body = build_job_body(load_spec(spec) if spec else None, model=model, training_file=training_file,
                           validation_file=validation_file, dataset=dataset, dataset_size=dataset_size,
                           grader=grader, steps=steps, prompts_per_step=prompts_per_step,
@@ -241,6 +244,9 @@ def jobs_create(
                           learning_rate=learning_rate, lora_r=lora_r, quantization=quantization,
                           algorithm=algorithm, aqn=aqn, seed=seed, suffix=suffix, metadata=metadata or [],
                           overrides=set_ or [])
+    if sweep:
+        return _create_sweep(body, sweep_points(sweep), idempotency_key=idempotency_key, dry_run=dry_run,
+                             watch=watch, base_url=base_url, api_key=api_key, as_json=as_json)
     if dry_run:
         return _print_json(body)
     with _client(base_url, api_key) as client:
@@ -252,6 +258,44 @@ def jobs_create(
                       f"{job['qerl']['progress'].get('total_steps', '?')} steps")
         if watch:
             _report_outcome(watch_job(client, job["id"], out))
+
+
+def _create_sweep(body: dict[str, Any], points: list[dict[str, Any]], *, idempotency_key: str | None,
+                  dry_run: bool, watch: bool, base_url: str | None, api_key: str | None, as_json: bool) -> None:
+    """Create one job per sweep point, all tagged with one sweep id; if the server refuses one, the
+    jobs created before it are cancelled, so that a sweep is whole or gone."""
+    if watch:
+        raise QerlError(422, "--watch follows one job; follow a sweep with qerl jobs list --metadata sweep=ID")
+    sweep_id = (idempotency_key or secrets.token_hex(4))[:64]
+    bodies = sweep_bodies(body, points, sweep_id)
+    if dry_run:
+        return _print_json(bodies)
+    jobs: list[dict[str, Any]] = []
+    with _client(base_url, api_key) as client:
+        for i, b in enumerate(bodies):
+            try:
+                jobs.append(client.create_job(b, f"{idempotency_key}-{i}" if idempotency_key else None))
+            except QerlError as exc:
+                left = []
+                for j in jobs:
+                    try:
+                        client.cancel(j["id"])
+                    except QerlError:
+                        left.append(j["id"])
+                undone = (f"; the {len(jobs)} jobs created before it were cancelled" if jobs and not left else
+                          f"; of the jobs created before it these could not be cancelled: {', '.join(left)}"
+                          if left else "")
+                raise QerlError(exc.status, f"sweep point {i + 1} of {len(bodies)} "
+                                            f"({b['metadata']['sweep_point']}): {exc.message}{undone}",
+                                exc.code) from None
+    if as_json:
+        return _print_json(jobs)
+    table = _table("job", "sweep point", "steps")
+    for j, b in zip(jobs, bodies):
+        table.add_row(j["id"], escape(b["metadata"]["sweep_point"]), str(j["qerl"]["progress"].get("total_steps")))
+    out.print(table)
+    out.print(f"sweep {sweep_id}: qerl jobs list --metadata sweep={sweep_id}; "
+              f"qerl jobs compare {' '.join(j['id'] for j in jobs)} --diff", highlight=False)
 
 
 @jobs_app.command("list")

@@ -2,6 +2,7 @@
 
 Precedence: the spec file, then the named flags, then ``--set a.b.c=VALUE`` overrides. Named
 flags map to the ``qerl`` extension object by TrainSpec's field names (``qerl.rollout.num_generations``).
+``--sweep a.b.c=[V1, V2]`` makes one body per value (per combination, for several).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 
 JOB_BODY = 'a job body such as {"model": ..., "training_file": ..., "qerl": {...}}'
+MAX_SWEEP = 64  # jobs one --sweep may create
 
 
 def load_spec(path: str, what: str = JOB_BODY) -> dict[str, Any]:
@@ -102,3 +104,38 @@ def build_job_body(spec: dict[str, Any] | None, *, model: str | None, training_f
     if not body.get("model"):
         raise ValueError("no model: pass --model NAME (see GET /v1/models) or put \"model\" in the spec file")
     return body
+
+
+def sweep_points(sweeps: list[str]) -> list[dict[str, Any]]:
+    """``--sweep`` values as every combination of them: ``["qerl.optim.lr=[1e-5, 2e-5]",
+    "qerl.lora.r=[8, 16]"]`` -> four {field: value} points, the first field varying slowest."""
+    axes: list[tuple[str, list[Any]]] = []
+    for item in sweeps:
+        key, sep, text = item.partition("=")
+        values = _parse_value(text) if sep else None
+        if not key or not isinstance(values, list) or not values:
+            raise ValueError(f"--sweep {item!r}: write a.b.c=[VALUE, ...], a JSON list, "
+                             "e.g. qerl.optim.lr=[1e-5,2e-5]")
+        if any(key == k for k, _ in axes):
+            raise ValueError(f"--sweep {key} is given twice; put all its values in one list")
+        axes.append((key, values))
+    points: list[dict[str, Any]] = [{}]
+    for key, values in axes:
+        points = [{**p, key: v} for p in points for v in values]
+    if len(points) > MAX_SWEEP:
+        raise ValueError(f"--sweep makes {len(points)} jobs, more than {MAX_SWEEP}; sweep fewer values")
+    return points
+
+
+def sweep_bodies(body: dict[str, Any], points: list[dict[str, Any]], sweep_id: str) -> list[dict[str, Any]]:
+    """One job body per point: ``body`` with the point's fields set, and metadata naming the sweep
+    (``sweep``) and the point (``sweep_point``) so that `qerl jobs list --metadata sweep=ID` finds them."""
+    out = []
+    for point in points:
+        b = json.loads(json.dumps(body))
+        for key, value in point.items():
+            set_path(b, key, value)
+        set_path(b, "metadata.sweep", sweep_id)
+        set_path(b, "metadata.sweep_point", ", ".join(f"{k}={json.dumps(v)}" for k, v in point.items())[:512])
+        out.append(b)
+    return out

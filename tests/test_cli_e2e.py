@@ -601,3 +601,31 @@ def test_compare_puts_jobs_side_by_side(cli_job: CliJob, qerl_server: Served, tm
     assert as_json[other]["settings"]["learning rate"].startswith("2e-05") and as_json[other]["results"]["steps"] == "1/1"
     one = qerl_server.qerl("jobs", "compare", other)
     assert one.returncode == 1 and "two or more job ids" in one.stdout + one.stderr
+
+
+def test_a_sweep_creates_a_job_per_value_or_none(cli_job: CliJob, qerl_server: Served, tmp_path: Path) -> None:
+    """--sweep makes one job per value, tagged with the sweep, listed by it and named in the hint
+    to compare them; a sweep whose second point the server refuses leaves no job to run (the first
+    is cancelled) and names the point and the field."""
+    from tests._client_server import JOB_SPEC_YAML
+
+    (tmp_path / "job.yaml").write_text(JOB_SPEC_YAML)
+    args = ("jobs", "create", str(tmp_path / "job.yaml"), "--training-file", cli_job.file_id, "--steps", "1")
+    made = qerl_server.qerl(*args, "--sweep", "qerl.lora.r=[2, 4]", "--idempotency-key", "sweep-test-1")
+    assert made.returncode == 0, (made.stdout, made.stderr)
+    listed = json.loads(qerl_server.qerl("jobs", "list", "--metadata", "sweep=sweep-test-1", "--json").stdout)["data"]
+    assert sorted(j["qerl"]["spec"]["lora"]["r"] for j in listed) == [2, 4]
+    assert {j["metadata"]["sweep_point"] for j in listed} == {"qerl.lora.r=2", "qerl.lora.r=4"}
+    assert f"qerl jobs compare {' '.join(j['id'] for j in reversed(listed))} --diff" in made.stdout, made.stdout
+    again = qerl_server.qerl(*args, "--sweep", "qerl.lora.r=[2, 4]", "--idempotency-key", "sweep-test-1", "--json")
+    assert [j["id"] for j in json.loads(again.stdout)] == [j["id"] for j in reversed(listed)]  # retried: no new jobs
+    for j in listed:
+        assert qerl_server.qerl("jobs", "watch", j["id"], "--interval", "0.3", timeout=300).returncode == 0
+
+    refused = qerl_server.qerl(*args, "--sweep", "qerl.lora.r=[2, -1]", "--idempotency-key", "sweep-test-2")
+    assert refused.returncode == 1
+    said = " ".join((refused.stdout + refused.stderr).split())
+    assert "sweep point 2 of 2 (qerl.lora.r=-1)" in said and "lora.r" in said, said
+    assert "the 1 jobs created before it were cancelled" in said, said
+    left = json.loads(qerl_server.qerl("jobs", "list", "--metadata", "sweep=sweep-test-2", "--json").stdout)["data"]
+    assert len(left) == 1 and left[0]["status"] in ("cancelled", "cancelling"), left

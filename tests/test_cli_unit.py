@@ -219,3 +219,29 @@ def test_compare_results_from_a_jobs_metrics():
     assert dict(results(running, []))["reward"] == "-" and dict(results(running, []))["time"] == "-"
     assert side_by_side([[("a", "1"), ("b", "2")], [("b", "3"), ("c", "4")]]) == [
         ("a", ["1", "-"]), ("b", ["2", "3"]), ("c", ["-", "4"])]
+
+
+def test_sweep_points_and_bodies():
+    """--sweep values: every combination, the first field varying slowest; each body is the base
+    with the point's fields set and the sweep named in its metadata; bad sweeps name the fix."""
+    points = jobbody.sweep_points(["qerl.optim.lr=[1e-5, 2e-5]", 'qerl.rl.algorithm=["grpo", "dapo"]'])
+    assert points == [{"qerl.optim.lr": 1e-5, "qerl.rl.algorithm": "grpo"}, {"qerl.optim.lr": 1e-5, "qerl.rl.algorithm": "dapo"},
+                      {"qerl.optim.lr": 2e-5, "qerl.rl.algorithm": "grpo"}, {"qerl.optim.lr": 2e-5, "qerl.rl.algorithm": "dapo"}]
+    base = {"model": "m", "metadata": {"team": "a"}, "qerl": {"optim": {"lr": 3e-5, "schedule": "constant"}}}
+    bodies = jobbody.sweep_bodies(base, points, "s1")
+    assert base["qerl"]["optim"]["lr"] == 3e-5  # the base is not changed
+    assert bodies[3] == {"model": "m", "qerl": {"optim": {"lr": 2e-5, "schedule": "constant"}, "rl": {"algorithm": "dapo"}},
+                         "metadata": {"team": "a", "sweep": "s1",
+                                      "sweep_point": 'qerl.optim.lr=2e-05, qerl.rl.algorithm="dapo"'}}
+    for bad, fragment in ((["qerl.lora.r=8"], "a JSON list"), (["qerl.lora.r=[]"], "a JSON list"),
+                          (["=[1]"], "a JSON list"), (["qerl.lora.r=[4]", "qerl.lora.r=[8]"], "given twice"),
+                          (["a=" + json.dumps(list(range(9))), "b=" + json.dumps(list(range(8)))], "72 jobs, more than 64")):
+        with pytest.raises(ValueError, match=fragment):
+            jobbody.sweep_points(bad)
+    app = typer.Typer()
+    cli_client.register(app)
+    dry = CliRunner().invoke(app, ["jobs", "create", "--model", "m", "--sweep", "qerl.lora.r=[4,8]", "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    assert [b["qerl"]["lora"]["r"] for b in json.loads(dry.stdout)] == [4, 8]
+    watched = CliRunner().invoke(app, ["jobs", "create", "--model", "m", "--sweep", "qerl.lora.r=[4,8]", "--watch"])
+    assert watched.exit_code == 1 and "--watch follows one job" in watched.output
