@@ -260,6 +260,16 @@ def jobs_create(
             _report_outcome(watch_job(client, job["id"], out))
 
 
+def _all_jobs(client: Client, metadata: dict[str, str]) -> list[dict[str, Any]]:
+    """Every job with these metadata pairs, newest first (all pages)."""
+    jobs: list[dict[str, Any]] = []
+    while True:
+        page = client.list_jobs(limit=100, after=jobs[-1]["id"] if jobs else None, metadata=metadata)
+        jobs += page["data"]
+        if not page.get("has_more") or not page["data"]:
+            return jobs
+
+
 def _create_sweep(body: dict[str, Any], points: list[dict[str, Any]], *, idempotency_key: str | None,
                   dry_run: bool, watch: bool, base_url: str | None, api_key: str | None, as_json: bool) -> None:
     """Create one job per sweep point, all tagged with one sweep id; if the server refuses one, the
@@ -295,7 +305,7 @@ def _create_sweep(body: dict[str, Any], points: list[dict[str, Any]], *, idempot
         table.add_row(j["id"], escape(b["metadata"]["sweep_point"]), str(j["qerl"]["progress"].get("total_steps")))
     out.print(table)
     out.print(f"sweep {sweep_id}: qerl jobs list --metadata sweep={sweep_id}; "
-              f"qerl jobs compare {' '.join(j['id'] for j in jobs)} --diff", highlight=False)
+              f"qerl jobs compare --sweep {sweep_id} --diff", highlight=False)
 
 
 @jobs_app.command("list")
@@ -436,7 +446,9 @@ def jobs_get(job_id: str, base_url: BaseUrl = None, api_key: ApiKey = None, as_j
 
 @jobs_app.command("compare")
 @_errors_as_messages
-def jobs_compare(job_ids: Annotated[list[str], typer.Argument(help="two or more job ids")],
+def jobs_compare(job_ids: Annotated[Optional[list[str]], typer.Argument(help="two or more job ids")] = None,
+                 sweep: Annotated[Optional[str], typer.Option(
+                     help="the jobs of this sweep (qerl jobs create --sweep), oldest first")] = None,
                  only_differences: Annotated[bool, typer.Option(
                      "--diff", help="only the settings in which the jobs differ")] = False,
                  base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJson = False) -> None:
@@ -444,10 +456,14 @@ def jobs_compare(job_ids: Annotated[list[str], typer.Argument(help="two or more 
     (reward, held-out accuracy and reward from first to last, time, rollout speed)."""
     from qerl.compare import results, side_by_side
 
-    if len(job_ids) < 2:
-        raise QerlError(422, "give two or more job ids to compare (qerl jobs list shows them)")
     with _client(base_url, api_key) as client:
-        jobs = [client.job(j) for j in job_ids]
+        ids = list(job_ids or [])
+        if sweep is not None:
+            ids += [j["id"] for j in reversed(_all_jobs(client, {"sweep": sweep})) if j["id"] not in ids]
+        if len(ids) < 2:
+            raise QerlError(422, "give two or more job ids to compare (qerl jobs list shows them)" if sweep is None
+                            else f"sweep {sweep} has {len(ids)} job(s); compare needs two or more")
+        jobs = [client.job(j) for j in ids]
         metrics = [client.metrics(j["id"]) for j in jobs]
     setting_cols = [[("model", j["model"]), ("quantization", j["qerl"].get("quantization", "")),
                      ("training file", j.get("training_file") or "-"),

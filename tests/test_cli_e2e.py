@@ -616,11 +616,17 @@ def test_a_sweep_creates_a_job_per_value_or_none(cli_job: CliJob, qerl_server: S
     listed = json.loads(qerl_server.qerl("jobs", "list", "--metadata", "sweep=sweep-test-1", "--json").stdout)["data"]
     assert sorted(j["qerl"]["spec"]["lora"]["r"] for j in listed) == [2, 4]
     assert {j["metadata"]["sweep_point"] for j in listed} == {"qerl.lora.r=2", "qerl.lora.r=4"}
-    assert f"qerl jobs compare {' '.join(j['id'] for j in reversed(listed))} --diff" in made.stdout, made.stdout
+    assert "qerl jobs compare --sweep sweep-test-1 --diff" in made.stdout, made.stdout
     again = qerl_server.qerl(*args, "--sweep", "qerl.lora.r=[2, 4]", "--idempotency-key", "sweep-test-1", "--json")
     assert [j["id"] for j in json.loads(again.stdout)] == [j["id"] for j in reversed(listed)]  # retried: no new jobs
     for j in listed:
         assert qerl_server.qerl("jobs", "watch", j["id"], "--interval", "0.3", timeout=300).returncode == 0
+    compared = json.loads(qerl_server.qerl("jobs", "compare", "--sweep", "sweep-test-1", "--json").stdout)
+    assert list(compared) == [j["id"] for j in reversed(listed)]  # oldest first: the sweep's order
+    assert [c["settings"]["LoRA"] for c in compared.values()] == ["r=2, alpha=2", "r=4, alpha=4"]
+    assert all(c["results"]["status"] == "succeeded" for c in compared.values())
+    lone = qerl_server.qerl("jobs", "compare", "--sweep", "no-such-sweep")
+    assert lone.returncode == 1 and "sweep no-such-sweep has 0 job(s)" in lone.stdout + lone.stderr
 
     refused = qerl_server.qerl(*args, "--sweep", "qerl.lora.r=[2, -1]", "--idempotency-key", "sweep-test-2")
     assert refused.returncode == 1
