@@ -110,6 +110,8 @@ ITEM_READS = [
     ("item = {'answer': '', **item}\n    return float(item['answer'] == '')", set(), {}),
     ("try:\n        return float(item['answer'])\n    except KeyError:\n        return 0.0", set(), {}),
     ("def inner():\n        return item['k']\n    return 0.0 if sample else float(inner())", set(), {}),
+    ("import re\n    from math import isfinite\n    return float(bool(re.match(item['a'], 'x')))", {"a"}, None),
+    ("from json import loads as item\n    return float(item['a'])", set(), None),
 ]
 
 

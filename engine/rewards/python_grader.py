@@ -289,8 +289,8 @@ def _check_source(source: Any, path: str) -> str:
 
 def item_reads(source: str) -> set[str]:
     """The top-level item fields ``grade`` reads as ``item["name"]`` on every call: in the simple
-    statements its body starts with, up to the first one that branches, loops, returns, catches
-    or names ``item`` anew, outside short-circuits, conditional expressions and nested functions.
+    statements (assignments, expressions, imports) its body starts with, up to the first one that
+    branches, loops, returns, catches or names ``item`` anew, outside short-circuits, conditional expressions and nested functions.
     A row without one of them would raise KeyError at its first sample, so it is checked before a
     job runs; reads the code may skip (``item.get``, a read under an ``if``) are not counted."""
     tree = ast.parse(source, "<grader>")
@@ -327,6 +327,10 @@ def item_reads(source: str) -> set[str]:
             visit(child)
 
     for stmt in fn.body:
+        if isinstance(stmt, (ast.Import, ast.ImportFrom, ast.Pass)):
+            if any((a.asname or a.name.split(".")[0]) == item for a in getattr(stmt, "names", [])):
+                break  # binds the name anew
+            continue
         if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.Expr, ast.Return)):
             break
         if changes_item(stmt):
