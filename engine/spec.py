@@ -236,6 +236,9 @@ class TrainSpec:
     # the job's adapter: the LoRA after the last step, or (best_eval) the LoRA of the evaluated step
     # whose held-out reward was highest (the later one on a tie; the start counts too)
     final_adapter: str = "last"
+    # end the run once this many evaluations in a row (every eval_interval steps) score a held-out
+    # reward no higher than the best before them; 0: run every step
+    early_stop_patience: int = 0
     # a PEFT LoRA directory to start from (a fine-tuned model trained further): its rank, alpha,
     # target modules and rsLoRA must equal lora's; None: a fresh LoRA (B = 0)
     init_adapter: str | None = None
@@ -267,6 +270,12 @@ class TrainSpec:
             raise ValueError("final_adapter=best_eval keeps the LoRA of the step whose held-out evaluation scored "
                              "best, and this job holds out no prompts: set data.eval_size above 0 (or a "
                              "validation_file)")
+        _check_range("early_stop_patience", self.early_stop_patience, 0, 1_000_000)
+        if self.early_stop_patience and (self.eval_interval == 0 or (self.data.eval_size == 0
+                                                                     and self.data.validation_file is None)):
+            raise ValueError("early_stop_patience counts evaluations between the start and the end: set "
+                             "eval_interval above 0 and hold out prompts (data.eval_size above 0, or a "
+                             "validation_file), or set early_stop_patience to 0")
         _check_range("seed", self.seed, 0, 2**63 - 1)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")

@@ -109,6 +109,9 @@ class _Run:
         self._step_samples: list[dict[str, Any]] = []  # the running step's samples, reported with its metrics
         self._saved: tuple[int, Path] | None = None  # the step and path of the latest checkpoint
         self.best_eval: tuple[int, float] | None = None  # final_adapter=best_eval: (step, eval reward) so far
+        # early_stop_patience: the best held-out reward so far (the start's included), its step, and
+        # the evaluations since that scored no higher
+        self.plateau: tuple[float, int, int] | None = None
         self.rollout: Any = None  # engine.rollout.backend.RolloutBackend, from _setup
         self.gpu_memory_cap_gib: float | None = None  # spec.max_gpu_memory_gib once applied to the device
         self._gpu_total = 0  # bytes of that device
@@ -401,6 +404,8 @@ class _Run:
         self.last_metrics = dict(saved.state.get("metrics", {}))
         best = saved.state.get("best_eval")
         self.best_eval = (int(best[0]), float(best[1])) if best else None
+        plateau = saved.state.get("plateau")
+        self.plateau = (float(plateau[0]), int(plateau[1]), int(plateau[2])) if plateau else None
         self.reporter.event("info", f"Resumed from checkpoint step {self.step}",
                             {"step": self.step, "checkpoint": str(saved.path)})
 
@@ -462,6 +467,8 @@ class _Run:
             last_checkpoint = self.step >= spec.steps and _crossed(before, self.step, spec.checkpoint_interval)
             if (_crossed(before, self.step, spec.eval_interval) and self.step < spec.steps) or last_checkpoint:
                 self._evaluate()  # the final evaluation before the last checkpoint, which then carries its scores
+            if self.step < spec.steps and self.last_eval_step == self.step and self._plateaued():
+                return self._finish(early=True)
             if _crossed(before, self.step, spec.checkpoint_interval):
                 self._save(self._boundary())
         return self._finish()
@@ -602,7 +609,24 @@ class _Run:
                                                        or result["eval/reward_mean"] >= self.best_eval[1]):
             self._write_adapter(self._best_dir(self.step), stopped=False)  # this step's LoRA, kept until the end
             self.best_eval = (self.step, float(result["eval/reward_mean"]))
+        score = float(result["eval/reward_mean"])
+        if self.plateau is None or score > self.plateau[0]:
+            self.plateau = (score, self.step, 0)
+        else:
+            self.plateau = (self.plateau[0], self.plateau[1], self.plateau[2] + 1)
         return result
+
+    def _plateaued(self) -> bool:
+        """early_stop_patience evaluations in a row without a higher held-out reward: say so, and end."""
+        patience = self.spec.early_stop_patience
+        if not patience or self.plateau is None or self.plateau[2] < patience:
+            return False
+        best, step, since = self.plateau
+        self.reporter.event("info", f"Stopping early at step {self.step}/{self.spec.steps}: {since} evaluations "
+                                    f"since step {step} scored no higher than its held-out reward {best:.3f} "
+                                    f"(early_stop_patience={patience})",
+                            {"step": self.step, "best_step": step, "best_eval_reward": best})
+        return True
 
     def _best_dir(self, step: int) -> Path:
         return self.workdir / "best-adapters" / f"step-{step:06d}"
@@ -619,7 +643,8 @@ class _Run:
         state = {"data": boundary.data, "trained_tokens": self.trained_tokens, "elapsed_s": self._elapsed(),
                  "initial_eval": self.initial_eval, "metrics": self.last_metrics,
                  "aqn": {"sigma_next": sigma_for_step(self.step, self.spec.steps, self.spec.aqn)},
-                 "best_eval": list(self.best_eval) if self.best_eval is not None else None}
+                 "best_eval": list(self.best_eval) if self.best_eval is not None else None,
+                 "plateau": list(self.plateau) if self.plateau is not None else None}
         partial = self.step < self.spec.steps
         path = ckpt.save_checkpoint(self.workdir / "checkpoints", self.step, adapter=adapter_state_dict(self.model),
                                     optimizer=self.optimizer.state_dict(), scheduler=self.scheduler.state_dict(),
@@ -649,7 +674,7 @@ class _Run:
                             {"step": self.step, "checkpoint": str(path)})
         return TrainResult(adapter_dir=adapter, steps=self.step, metrics=self._final_metrics(), stopped=True)
 
-    def _finish(self) -> TrainResult:
+    def _finish(self, *, early: bool = False) -> TrainResult:
         result = self.last_eval if self.last_eval_step == self.step else self._evaluate()
         if result is None:
             return self._stop(self._boundary())
@@ -657,9 +682,10 @@ class _Run:
             adapter, final = self._take_best()
         else:
             adapter, final = self._write_adapter(stopped=False), self._final_metrics()
-        self.reporter.event("info", f"Training finished: {self.step} steps in {self._elapsed():.0f} s; "
+        of = f" of {self.spec.steps} (stopped early)" if early else ""
+        self.reporter.event("info", f"Training finished: {self.step} steps{of} in {self._elapsed():.0f} s; "
                                     f"{self._eval_summary(final)}",
-                            {"steps": self.step, "adapter_dir": str(adapter), **final})
+                            {"steps": self.step, "adapter_dir": str(adapter), "early_stop": early, **final})
         return TrainResult(adapter_dir=adapter, steps=self.step, metrics=final, stopped=False)
 
     def _eval_summary(self, final: dict[str, float]) -> str:

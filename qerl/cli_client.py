@@ -503,7 +503,7 @@ def settings(spec: dict[str, Any]) -> list[tuple[str, str]]:
     if held or data.get("validation_file"):
         every = spec.get("eval_interval") or 0
         evaluation += f", every {every} steps" if every else ", at the start and the end"
-    kl = rl.get("kl_coef") or 0
+    kl, patience = rl.get("kl_coef") or 0, spec.get("early_stop_patience") or 0
     return [
         ("algorithm", f"{rl.get('algorithm', '')}" + (f", KL {kl:g}" if kl else "")),
         ("LoRA", f"r={lora.get('r')}, alpha={lora.get('alpha', 0):g}" + (", rsLoRA" if lora.get("use_rslora") else "")),
@@ -513,6 +513,7 @@ def settings(spec: dict[str, Any]) -> list[tuple[str, str]]:
         ("AQN", f"sigma {aqn.get('sigma_start', 0):g} -> {aqn.get('sigma_end', 0):g} in {aqn.get('stages')} stages"
                 if aqn.get("enabled") else "off"),
         ("evaluation", evaluation),
+        ("early stop", f"after {patience} evaluations without a higher held-out reward" if patience else "off"),
         ("grader", f"{grader.get('type', '')} {grader.get('name', '')}".strip()),
     ]
 

@@ -134,6 +134,8 @@ BAD = [  # (request body or raw bytes, status, param)
      "method.reinforcement.hyperparameters.eval_samples"),
     ({"model": MODEL, "qerl": {"dataset": RG}, "hyperparameters": {"eval_samples": 40}}, 422,
      "hyperparameters.eval_samples"),
+    # early stopping counts evaluations between the start and the end: none are asked for
+    ({"model": MODEL, "qerl": {"dataset": RG, "early_stop_patience": 2}}, 422, "qerl.early_stop_patience"),
     # the task's name and config are reasoning-gym's to judge: checked before anything is queued
     ({"model": MODEL, "qerl": {"dataset": {**RG, "task": "no_such_task"}}}, 422, "qerl.dataset"),
     ({"model": MODEL, "qerl": {"dataset": {**RG, "config": {"min_digits": 3, "max_digits": 1}}}}, 422, "qerl.dataset"),

@@ -207,6 +207,42 @@ def test_training_further_starts_from_the_given_adapter(tiny_dir, tmp_path):
     assert missing.value.code == "invalid_spec" and "not a PEFT LoRA directory" in str(missing.value)
 
 
+def test_early_stop_ends_the_run_when_the_held_out_reward_plateaus(tiny_dir, tmp_path):
+    """early_stop_patience=2 with an evaluation every step: a run that cannot learn (lr 1e-12, so every
+    greedy evaluation scores what the start did) ends after the second evaluation that is no
+    better, a finished run with its adapter, saying why; the count survives a resume (a run stopped
+    after step 1's evaluation and resumed ends at the same step); without it every step runs."""
+    data = write_rows(tmp_path / "d.jsonl")
+    flat = dict(steps=6, eval_interval=1, early_stop_patience=2, aqn={"enabled": False},
+                optim={"lr": 1e-12, "warmup_ratio": 0.0, "weight_decay": 0.0}, checkpoint_interval=1)
+    rep = NullReporter()
+    res = train(make_spec(tiny_dir, data, **flat), workdir=tmp_path / "a", reporter=rep, should_stop=lambda: False)
+    assert not res.stopped and res.steps == 2 and verify_adapter(res.adapter_dir)["steps"] == 2
+    rewards = [m["eval/reward_mean"] for _, m in rep.steps if "eval/reward_mean" in m]
+    assert len(rewards) == 3 and len(set(rewards)) == 1  # step 0, 1 and 2: no better than the start
+    said = [msg for _, msg, _ in rep.events if msg.startswith("Stopping early")]
+    assert said == [f"Stopping early at step 2/6: 2 evaluations since step 0 scored no higher than its held-out "
+                    f"reward {rewards[0]:.3f} (early_stop_patience=2)"], rep.events
+    assert any(msg.startswith("Training finished: 2 steps of 6 (stopped early)") for _, msg, _ in rep.events)
+
+    first = NullReporter()
+    stopped = train(make_spec(tiny_dir, data, **flat), workdir=tmp_path / "b", reporter=first,  # after step 1's eval
+                    should_stop=lambda: any(s == 1 and "eval/reward_mean" in m for s, m in first.steps))
+    assert stopped.stopped and stopped.steps == 1
+    again = NullReporter()
+    resumed = train(make_spec(tiny_dir, data, **flat), workdir=tmp_path / "b", reporter=again,
+                    should_stop=lambda: False, resume_from=tmp_path / "b" / "checkpoints")
+    assert not resumed.stopped and resumed.steps == 2
+    assert any(msg.startswith("Stopping early at step 2/6") for _, msg, _ in again.events)
+
+    patient = train(make_spec(tiny_dir, data, **{**flat, "steps": 3, "early_stop_patience": 0}),
+                    workdir=tmp_path / "c", reporter=NullReporter(), should_stop=lambda: False)
+    assert patient.steps == 3
+    for bad in ({"eval_interval": 0}, {"data": {"eval_size": 0}}):
+        with pytest.raises(ValueError, match="early_stop_patience counts evaluations"):
+            make_spec(tiny_dir, data, **{**flat, **bad})
+
+
 def test_stop_at_a_step_boundary_saves_a_checkpoint(tiny_dir, tmp_path):
     rep = NullReporter()
     spec = make_spec(tiny_dir, write_rows(tmp_path / "d.jsonl"), steps=3)

@@ -78,6 +78,8 @@
         + `${r.max_new_tokens} tokens, temperature ${g(r.temperature ?? 1)}`],
       ['AQN', aqn.enabled ? `sigma ${g(aqn.sigma_start || 0)} -> ${g(aqn.sigma_end || 0)} in ${aqn.stages} stages` : 'off'],
       ['Evaluation', evaluation],
+      ['Early stop', spec.early_stop_patience
+        ? `after ${spec.early_stop_patience} evaluations without a higher held-out reward` : 'off'],
       ['Grader', `${grader.type || ''} ${grader.name || ''}`.trim()],
     ];
   }
