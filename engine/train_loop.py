@@ -622,8 +622,9 @@ class _Run:
         if not patience or self.plateau is None or self.plateau[2] < patience:
             return False
         best, step, since = self.plateau
-        self.reporter.event("info", f"Stopping early at step {self.step}/{self.spec.steps}: {since} evaluations "
-                                    f"since step {step} scored no higher than its held-out reward {best:.3f} "
+        evals = "1 evaluation" if since == 1 else f"{since} evaluations"
+        self.reporter.event("info", f"Stopping early at step {self.step}/{self.spec.steps}: {evals} since step "
+                                    f"{step} scored no higher than its held-out reward {best:.3f} "
                                     f"(early_stop_patience={patience})",
                             {"step": self.step, "best_step": step, "best_eval_reward": best})
         return True

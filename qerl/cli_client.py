@@ -109,7 +109,10 @@ def _status(s: str, job: dict[str, Any] | None = None) -> str:
 def _report_outcome(job: dict[str, Any]) -> None:
     status = job["status"]
     if status == "succeeded":
-        out.print(f"[green]Job {job['id']} succeeded[/]: {escape(job.get('fine_tuned_model') or '')}")
+        p = (job.get("qerl") or {}).get("progress") or {}
+        early = (f" after {p['step']} of {p['total_steps']} steps (stopped early: early_stop_patience)"
+                 if 0 < p.get("step", 0) < p.get("total_steps", 0) else "")
+        out.print(f"[green]Job {job['id']} succeeded[/]{early}: {escape(job.get('fine_tuned_model') or '')}")
         adapter = (job.get("qerl") or {}).get("adapter_id")
         if adapter:
             out.print(f"download the adapter: qerl adapters download {adapter} -o ./{adapter}")

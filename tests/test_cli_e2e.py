@@ -635,3 +635,25 @@ def test_a_sweep_creates_a_job_per_value_or_none(cli_job: CliJob, qerl_server: S
     assert "the 1 jobs created before it were cancelled" in said, said
     left = json.loads(qerl_server.qerl("jobs", "list", "--metadata", "sweep=sweep-test-2", "--json").stdout)["data"]
     assert len(left) == 1 and left[0]["status"] in ("cancelled", "cancelling"), left
+
+
+def test_a_job_that_stops_improving_ends_early_and_says_so(cli_job: CliJob, qerl_server: Served, tmp_path: Path) -> None:
+    """qerl.early_stop_patience through the service: a job that cannot learn (a learning rate too
+    small to move the LoRA) ends succeeded after its first evaluation that is no better than the
+    start, its events and watch's closing line say why, and its adapter is there."""
+    from tests._client_server import JOB_SPEC_YAML
+
+    (tmp_path / "job.yaml").write_text(JOB_SPEC_YAML)
+    created = qerl_server.qerl("jobs", "create", str(tmp_path / "job.yaml"), "--training-file", cli_job.file_id,
+                               "--steps", "5", "--learning-rate", "1e-12", "--no-aqn", "--set", "qerl.eval_interval=1",
+                               "--set", "qerl.early_stop_patience=1", "--json")
+    assert created.returncode == 0, created.stderr
+    job_id = json.loads(created.stdout)["id"]
+    watch = qerl_server.qerl("jobs", "watch", job_id, "--interval", "0.3", timeout=300)
+    assert watch.returncode == 0, (watch.stdout, watch.stderr)
+    assert f"Job {job_id} succeeded after 1 of 5 steps (stopped early: early_stop_patience)" in watch.stdout
+    events = [e["message"] for e in httpx.get(f"{qerl_server.url}/v1/fine_tuning/jobs/{job_id}/events",
+                                              params={"limit": 100}, headers=qerl_server.headers).json()["data"]]
+    assert any(m.startswith("Stopping early at step 1/5: 1 evaluation since step 0 scored no higher") for m in events), events
+    job = httpx.get(f"{qerl_server.url}/v1/fine_tuning/jobs/{job_id}", headers=qerl_server.headers).json()
+    assert job["qerl"]["adapter_id"] and job["qerl"]["progress"] == {"step": 1, "total_steps": 5}
