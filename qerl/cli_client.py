@@ -24,6 +24,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, Trans
 from rich.table import Column, Table
 
 from qerl.client import Client, QerlError
+from qerl.compare import results, settings, side_by_side
 from qerl.jobbody import build_job_body, load_spec, sweep_bodies, sweep_points
 from qerl.term import stdout_console
 from qerl.watch import follow_events, watch_job
@@ -457,8 +458,6 @@ def jobs_compare(job_ids: Annotated[Optional[list[str]], typer.Argument(help="tw
                  base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJson = False) -> None:
     """Jobs side by side: their settings (those that differ in bold) and what they reached
     (reward, held-out accuracy and reward from first to last, time, rollout speed)."""
-    from qerl.compare import results, side_by_side
-
     with _client(base_url, api_key) as client:
         ids = list(job_ids or [])
         if sweep is not None:
@@ -489,36 +488,6 @@ def jobs_compare(job_ids: Annotated[Optional[list[str]], typer.Argument(help="tw
     out.print(table)
     if only_differences and same:
         out.print(f"[dim]the same in all: {', '.join(same)}[/]", highlight=False)
-
-
-def settings(spec: dict[str, Any]) -> list[tuple[str, str]]:
-    """A job's training settings in a few lines (its spec, as the worker runs it; the dashboard's
-    Settings panel shows the same)."""
-    if not spec:
-        return []
-    rl, lora, optim, r, aqn, data = (spec.get(k) or {} for k in ("rl", "lora", "optim", "rollout", "aqn", "data"))
-    grader = spec.get("grader") or {}
-    held = data.get("eval_size", 0)
-    if data.get("validation_file"):
-        evaluation = f"{held} rows of the validation file"
-    else:
-        evaluation = f"{held} held-out prompts" if held else "none held out"
-    if held or data.get("validation_file"):
-        every = spec.get("eval_interval") or 0
-        evaluation += f", every {every} steps" if every else ", at the start and the end"
-    kl, patience = rl.get("kl_coef") or 0, spec.get("early_stop_patience") or 0
-    return [
-        ("algorithm", f"{rl.get('algorithm', '')}" + (f", KL {kl:g}" if kl else "")),
-        ("LoRA", f"r={lora.get('r')}, alpha={lora.get('alpha', 0):g}" + (", rsLoRA" if lora.get("use_rslora") else "")),
-        ("learning rate", f"{optim.get('lr', 0):g} ({optim.get('schedule', '')}, warmup {optim.get('warmup_ratio', 0):g})"),
-        ("rollouts", f"{spec.get('prompts_per_step')} prompts x {r.get('num_generations')} samples a step, up to "
-                     f"{r.get('max_new_tokens')} tokens, temperature {r.get('temperature', 1):g}"),
-        ("AQN", f"sigma {aqn.get('sigma_start', 0):g} -> {aqn.get('sigma_end', 0):g} in {aqn.get('stages')} stages"
-                if aqn.get("enabled") else "off"),
-        ("evaluation", evaluation),
-        ("early stop", f"after {patience} evaluations without a higher held-out reward" if patience else "off"),
-        ("grader", f"{grader.get('type', '')} {grader.get('name', '')}".strip()),
-    ]
 
 
 @jobs_app.command("cancel")

@@ -1,5 +1,6 @@
-"""`qerl jobs compare`: jobs side by side, their settings and what they reached, for choosing
-among the runs of a sweep. Pure functions over the API's job and metrics objects."""
+"""A job's settings and what it reached, as lines: `qerl jobs get` prints the settings, `qerl jobs
+compare` both for jobs side by side (choosing among the runs of a sweep). Pure functions over the
+API's job and metrics objects."""
 from __future__ import annotations
 
 import math
@@ -30,6 +31,36 @@ def _duration(job: dict[str, Any]) -> str:
         return "-"
     s = int(end - start)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def settings(spec: dict[str, Any]) -> list[tuple[str, str]]:
+    """A job's training settings in a few lines (its spec, as the worker runs it): `qerl jobs get`
+    prints them and the dashboard's Settings panel shows the same."""
+    if not spec:
+        return []
+    rl, lora, optim, r, aqn, data = (spec.get(k) or {} for k in ("rl", "lora", "optim", "rollout", "aqn", "data"))
+    grader = spec.get("grader") or {}
+    held = data.get("eval_size", 0)
+    if data.get("validation_file"):
+        evaluation = f"{held} rows of the validation file"
+    else:
+        evaluation = f"{held} held-out prompts" if held else "none held out"
+    if held or data.get("validation_file"):
+        every = spec.get("eval_interval") or 0
+        evaluation += f", every {every} steps" if every else ", at the start and the end"
+    kl, patience = rl.get("kl_coef") or 0, spec.get("early_stop_patience") or 0
+    return [
+        ("algorithm", f"{rl.get('algorithm', '')}" + (f", KL {kl:g}" if kl else "")),
+        ("LoRA", f"r={lora.get('r')}, alpha={lora.get('alpha', 0):g}" + (", rsLoRA" if lora.get("use_rslora") else "")),
+        ("learning rate", f"{optim.get('lr', 0):g} ({optim.get('schedule', '')}, warmup {optim.get('warmup_ratio', 0):g})"),
+        ("rollouts", f"{spec.get('prompts_per_step')} prompts x {r.get('num_generations')} samples a step, up to "
+                     f"{r.get('max_new_tokens')} tokens, temperature {r.get('temperature', 1):g}"),
+        ("AQN", f"sigma {aqn.get('sigma_start', 0):g} -> {aqn.get('sigma_end', 0):g} in {aqn.get('stages')} stages"
+                if aqn.get("enabled") else "off"),
+        ("evaluation", evaluation),
+        ("early stop", f"after {patience} evaluations without a higher held-out reward" if patience else "off"),
+        ("grader", f"{grader.get('type', '')} {grader.get('name', '')}".strip()),
+    ]
 
 
 def results(job: dict[str, Any], metrics: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:

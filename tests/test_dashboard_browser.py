@@ -123,7 +123,7 @@ def test_dashboard_shows_the_finished_job_with_its_curves(browser, cli_job: CliJ
         assert _series_pixels(driver, metric) > 20, f"the {metric} chart has no painted series"
 
     # the job's settings read as `qerl jobs get` prints them (the same spec, the same numbers)
-    from qerl.cli_client import settings
+    from qerl.compare import settings
 
     panel = driver.execute_script("return [...document.querySelectorAll('#job-settings > div')]"
                                   ".map(d => [d.querySelector('dt').textContent, d.querySelector('dd').textContent])")

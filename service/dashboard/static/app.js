@@ -59,7 +59,7 @@
     if (e < -4 || e >= 6) return `${m}e${e < 0 ? '-' : '+'}${String(Math.abs(e)).padStart(2, '0')}`;
     return String(Number(v.toPrecision(6)));
   }
-  // A job's training settings in a few lines (qerl.cli_client.settings prints the same).
+  // A job's training settings in a few lines (qerl.compare.settings, which `qerl jobs get` prints).
   function settings(spec) {
     if (!spec) return [];
     const rl = spec.rl || {}, lora = spec.lora || {}, optim = spec.optim || {}, r = spec.rollout || {};
