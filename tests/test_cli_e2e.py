@@ -4,6 +4,7 @@ download (sha256 checked) and PEFT loading the downloaded adapter."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import hashlib
 import io
 import json
@@ -17,7 +18,7 @@ import pytest
 
 from qerl.client import Client
 
-from tests._client_server import STEPS, CliJob, Served, cli_job, qerl_server  # noqa: F401 (fixtures)
+from tests._client_server import JOB_SPEC_YAML, STEPS, CliJob, Served, cli_job, qerl_server  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -237,8 +238,6 @@ def test_pause_watch_and_resume_from_the_terminal(qerl_server: Served) -> None:
 
 
 def test_watch_exits_1_with_the_reason_when_the_job_fails(cli_job: CliJob, qerl_server: Served, tmp_path: Path) -> None:
-    from tests._client_server import JOB_SPEC_YAML
-
     (tmp_path / "job.yaml").write_text(JOB_SPEC_YAML)
     # passes the API's checks, fails in the engine: the prompts are longer in tokens than the job
     # lets a prompt be (only the tokenizer, in the worker, can count them)
@@ -556,61 +555,83 @@ def test_empty_lists_say_so_and_how_to_fill_them(qerl_server: Served) -> None:
     assert qerl_server.qerl("files", "list", *key, "--json").stdout.strip() == "[]"  # JSON stays JSON
 
 
-def test_compare_puts_jobs_side_by_side(cli_job: CliJob, qerl_server: Served, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def side(qerl_server: Served, tmp_path_factory: pytest.TempPathFactory) -> tuple[Served, str]:
+    """A project of its own on the same server (its key, and the training file uploaded there), so
+    that the jobs the tests below make do not crowd the main project's lists, which others read."""
+    from tests._client_server import TRAIN_ROWS, jsonl
+
+    created = qerl_server.qerl("keys", "create", "--project", "e2e-side")
+    secret = re.search(r"sk-qerl-[A-Za-z0-9_-]+", created.stdout)
+    assert created.returncode == 0 and secret, created.stdout + created.stderr
+    served = dataclasses.replace(qerl_server, api_key=secret.group(0),
+                                 env={**qerl_server.env, "QERL_API_KEY": secret.group(0)})
+    work = tmp_path_factory.mktemp("side")
+    (work / "train.jsonl").write_bytes(jsonl(TRAIN_ROWS))
+    upload = served.qerl("files", "upload", str(work / "train.jsonl"), "--json")
+    assert upload.returncode == 0, upload.stderr
+    return served, json.loads(upload.stdout)["id"]
+
+
+def _side_job(side: tuple[Served, str], *args: str) -> str:
+    """A job of the side project (the YAML job body on its file, then ``args``), watched to its end."""
+    served, file_id = side
+    yaml = served.data_dir / "side-job.yaml"
+    yaml.write_text(JOB_SPEC_YAML)
+    created = served.qerl("jobs", "create", str(yaml), "--training-file", file_id, *args, "--json")
+    assert created.returncode == 0, created.stderr
+    job_id = json.loads(created.stdout)["id"]
+    watch = served.qerl("jobs", "watch", job_id, "--interval", "0.3", timeout=300)
+    assert watch.returncode == 0, (watch.stdout, watch.stderr)
+    return job_id
+
+
+def test_compare_puts_jobs_side_by_side(side: tuple[Served, str]) -> None:
     """Two jobs on the same file that differ in their learning rate and LoRA rank: compare shows
     every setting with the differing ones marked, and what each reached as its metrics say (first
     and last training reward, held-out accuracy before and after); --diff keeps only the
     differences; --json the same numbers; fewer than two ids is an error."""
     from qerl.compare import results
 
-    from tests._client_server import JOB_SPEC_YAML
-
-    (tmp_path / "job.yaml").write_text(JOB_SPEC_YAML)
-    created = qerl_server.qerl("jobs", "create", str(tmp_path / "job.yaml"), "--training-file", cli_job.file_id,
-                               "--steps", "1", "--learning-rate", "2e-5", "--lora-r", "8", "--json")
-    assert created.returncode == 0, created.stderr
-    other = json.loads(created.stdout)["id"]
-    watch = qerl_server.qerl("jobs", "watch", other, "--interval", "0.3", timeout=300)
-    assert watch.returncode == 0, (watch.stdout, watch.stderr)
-
-    shown = qerl_server.qerl("jobs", "compare", cli_job.job_id, other, env={**qerl_server.env, "COLUMNS": "250"})
+    qerl_server = side[0]
+    first = _side_job(side, "--steps", str(STEPS))
+    other = _side_job(side, "--steps", "1", "--learning-rate", "2e-5", "--lora-r", "8")
+    shown = qerl_server.qerl("jobs", "compare", first, other, env={**qerl_server.env, "COLUMNS": "250"})
     assert shown.returncode == 0, shown.stderr
     cells = {c[0]: c[1:] for c in ([x.strip() for x in line.split("│")[1:-1]] for line in shown.stdout.splitlines()
                                    if line.startswith("│"))}
     text = " ".join(shown.stdout.split())
-    assert cli_job.job_id in text and other in text
+    assert first in text and other in text
     assert "LoRA │ r=4, alpha=4 │ r=8, alpha=8" in text, shown.stdout
     assert "learning rate │ 1e-05 (cosine, warmup 0.1) │ 2e-05 (cosine, warmup 0.1)" in text, shown.stdout
     assert "grader │ text_similarity similarity │ text_similarity similarity" in text
-    for job_id, column in ((cli_job.job_id, 0), (other, 1)):
+    for job_id, column in ((first, 0), (other, 1)):
         job = httpx.get(f"{qerl_server.url}/v1/fine_tuning/jobs/{job_id}", headers=qerl_server.headers).json()
         metrics = httpx.get(f"{qerl_server.url}/v1/fine_tuning/jobs/{job_id}/metrics",
                             headers=qerl_server.headers).json()["data"]
         reached = dict(results(job, metrics))
-        first = next(m["values"]["reward_mean"] for m in metrics if "reward_mean" in m["values"])
-        last = [m["values"]["reward_mean"] for m in metrics if "reward_mean" in m["values"]][-1]
-        assert reached["reward"].startswith(f"{first:.3f}") and f"{last:.3f}" in reached["reward"], reached
+        rewards = [m["values"]["reward_mean"] for m in metrics if "reward_mean" in m["values"]]
+        assert reached["reward"].startswith(f"{rewards[0]:.3f}") and f"{rewards[-1]:.3f}" in reached["reward"], reached
         assert reached["held-out accuracy"].startswith(
             f"{next(m['values']['eval/accuracy'] for m in metrics if 'eval/accuracy' in m['values']):.3f}")
         assert reached["status"] == "succeeded"
         assert [cells[name][column] for name in reached] == list(reached.values()), shown.stdout
-    diff = qerl_server.qerl("jobs", "compare", cli_job.job_id, other, "--diff", env={**qerl_server.env, "COLUMNS": "250"})
+    diff = qerl_server.qerl("jobs", "compare", first, other, "--diff", env={**qerl_server.env, "COLUMNS": "250"})
     assert diff.returncode == 0 and "LoRA" in diff.stdout and "grader │" not in diff.stdout, diff.stdout
     assert "the same in all: model, quantization, training file, algorithm" in " ".join(diff.stdout.split())
-    as_json = json.loads(qerl_server.qerl("jobs", "compare", cli_job.job_id, other, "--json").stdout)
+    as_json = json.loads(qerl_server.qerl("jobs", "compare", first, other, "--json").stdout)
     assert as_json[other]["settings"]["learning rate"].startswith("2e-05") and as_json[other]["results"]["steps"] == "1/1"
     one = qerl_server.qerl("jobs", "compare", other)
     assert one.returncode == 1 and "two or more job ids" in one.stdout + one.stderr
 
 
-def test_a_sweep_creates_a_job_per_value_or_none(cli_job: CliJob, qerl_server: Served, tmp_path: Path) -> None:
+def test_a_sweep_creates_a_job_per_value_or_none(side: tuple[Served, str], tmp_path: Path) -> None:
     """--sweep makes one job per value, tagged with the sweep, listed by it and named in the hint
     to compare them; a sweep whose second point the server refuses leaves no job to run (the first
     is cancelled) and names the point and the field."""
-    from tests._client_server import JOB_SPEC_YAML
-
+    qerl_server, file_id = side
     (tmp_path / "job.yaml").write_text(JOB_SPEC_YAML)
-    args = ("jobs", "create", str(tmp_path / "job.yaml"), "--training-file", cli_job.file_id, "--steps", "1")
+    args = ("jobs", "create", str(tmp_path / "job.yaml"), "--training-file", file_id, "--steps", "1")
     made = qerl_server.qerl(*args, "--sweep", "qerl.lora.r=[2, 4]", "--idempotency-key", "sweep-test-1")
     assert made.returncode == 0, (made.stdout, made.stderr)
     listed = json.loads(qerl_server.qerl("jobs", "list", "--metadata", "sweep=sweep-test-1", "--json").stdout)["data"]
@@ -637,14 +658,13 @@ def test_a_sweep_creates_a_job_per_value_or_none(cli_job: CliJob, qerl_server: S
     assert len(left) == 1 and left[0]["status"] in ("cancelled", "cancelling"), left
 
 
-def test_a_job_that_stops_improving_ends_early_and_says_so(cli_job: CliJob, qerl_server: Served, tmp_path: Path) -> None:
+def test_a_job_that_stops_improving_ends_early_and_says_so(side: tuple[Served, str], tmp_path: Path) -> None:
     """qerl.early_stop_patience through the service: a job that cannot learn (a learning rate too
     small to move the LoRA) ends succeeded after its first evaluation that is no better than the
     start, its events and watch's closing line say why, and its adapter is there."""
-    from tests._client_server import JOB_SPEC_YAML
-
+    qerl_server, file_id = side
     (tmp_path / "job.yaml").write_text(JOB_SPEC_YAML)
-    created = qerl_server.qerl("jobs", "create", str(tmp_path / "job.yaml"), "--training-file", cli_job.file_id,
+    created = qerl_server.qerl("jobs", "create", str(tmp_path / "job.yaml"), "--training-file", file_id,
                                "--steps", "5", "--learning-rate", "1e-12", "--no-aqn", "--set", "qerl.eval_interval=1",
                                "--set", "qerl.early_stop_patience=1", "--json")
     assert created.returncode == 0, created.stderr
