@@ -229,6 +229,9 @@ def jobs_create(
     quantization: Annotated[Optional[str], typer.Option(help="nvfp4, nf4 or bf16")] = None,
     algorithm: Annotated[Optional[str], typer.Option(help="grpo, dapo or dr_grpo")] = None,
     aqn: Annotated[Optional[bool], typer.Option("--aqn/--no-aqn", help="adaptive quantization noise")] = None,
+    eval_interval: Annotated[Optional[int], typer.Option(help="evaluate the held-out prompts every N steps")] = None,
+    early_stop: Annotated[Optional[int], typer.Option(
+        help="end once N evaluations in a row are no better (qerl.early_stop_patience)")] = None,
     seed: Annotated[Optional[int], typer.Option()] = None,
     suffix: Annotated[Optional[str], typer.Option(help="added to the fine-tuned model name")] = None,
     metadata: Annotated[Optional[list[str]], typer.Option(help="KEY=VALUE, repeatable")] = None,
@@ -247,7 +250,7 @@ def jobs_create(
                           num_generations=num_generations, max_new_tokens=max_new_tokens,
                           learning_rate=learning_rate, lora_r=lora_r, quantization=quantization,
                           algorithm=algorithm, aqn=aqn, seed=seed, suffix=suffix, metadata=metadata or [],
-                          overrides=set_ or [])
+                          overrides=set_ or [], eval_interval=eval_interval, early_stop=early_stop)
     if sweep:
         return _create_sweep(body, sweep_points(sweep), idempotency_key=idempotency_key, dry_run=dry_run,
                              watch=watch, base_url=base_url, api_key=api_key, as_json=as_json)

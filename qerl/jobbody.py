@@ -66,7 +66,8 @@ def build_job_body(spec: dict[str, Any] | None, *, model: str | None, training_f
                    grader: str | None, steps: int | None, prompts_per_step: int | None,
                    num_generations: int | None, max_new_tokens: int | None, learning_rate: float | None,
                    lora_r: int | None, quantization: str | None, algorithm: str | None, aqn: bool | None,
-                   seed: int | None, suffix: str | None, metadata: list[str], overrides: list[str]) -> dict[str, Any]:
+                   seed: int | None, suffix: str | None, metadata: list[str], overrides: list[str],
+                   eval_interval: int | None = None, early_stop: int | None = None) -> dict[str, Any]:
     """The POST /v1/fine_tuning/jobs body: the spec file, then the flags, then ``--set`` overrides."""
     body: dict[str, Any] = json.loads(json.dumps(spec or {}))
     top = {"model": model, "training_file": training_file, "validation_file": validation_file,
@@ -74,7 +75,8 @@ def build_job_body(spec: dict[str, Any] | None, *, model: str | None, training_f
     body.update({k: v for k, v in top.items() if v is not None})
     qerl_flags = {"steps": steps, "prompts_per_step": prompts_per_step, "quantization": quantization,
                   "rollout.num_generations": num_generations, "rollout.max_new_tokens": max_new_tokens,
-                  "optim.lr": learning_rate, "lora.r": lora_r, "rl.algorithm": algorithm, "aqn.enabled": aqn}
+                  "optim.lr": learning_rate, "lora.r": lora_r, "rl.algorithm": algorithm, "aqn.enabled": aqn,
+                  "eval_interval": eval_interval, "early_stop_patience": early_stop}
     for key, value in qerl_flags.items():
         if value is not None:
             set_path(body, f"qerl.{key}", value)

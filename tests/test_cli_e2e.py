@@ -665,8 +665,8 @@ def test_a_job_that_stops_improving_ends_early_and_says_so(side: tuple[Served, s
     qerl_server, file_id = side
     (tmp_path / "job.yaml").write_text(JOB_SPEC_YAML)
     created = qerl_server.qerl("jobs", "create", str(tmp_path / "job.yaml"), "--training-file", file_id,
-                               "--steps", "5", "--learning-rate", "1e-12", "--no-aqn", "--set", "qerl.eval_interval=1",
-                               "--set", "qerl.early_stop_patience=1", "--json")
+                               "--steps", "5", "--learning-rate", "1e-12", "--no-aqn", "--eval-interval", "1",
+                               "--early-stop", "1", "--json")
     assert created.returncode == 0, created.stderr
     job_id = json.loads(created.stdout)["id"]
     watch = qerl_server.qerl("jobs", "watch", job_id, "--interval", "0.3", timeout=300)

@@ -28,12 +28,13 @@ def _body(**kw):
 
 def test_flags_map_to_the_service_body():
     body = _body(model="tiny", dataset="products", dataset_size=50, steps=3, num_generations=4, learning_rate=2e-5,
-                 lora_r=8, algorithm="grpo", aqn=False, seed=7, metadata=["team=rl"],
+                 lora_r=8, algorithm="grpo", aqn=False, seed=7, metadata=["team=rl"], eval_interval=5, early_stop=3,
                  grader='{"type": "reasoning_gym", "name": "t"}', overrides=["qerl.rollout.temperature=0.7"])
     assert body == {
         "model": "tiny", "seed": 7,
         "qerl": {"steps": 3, "rollout": {"num_generations": 4, "temperature": 0.7}, "optim": {"lr": 2e-5},
-                 "lora": {"r": 8}, "rl": {"algorithm": "grpo"}, "aqn": {"enabled": False},
+                 "lora": {"r": 8}, "rl": {"algorithm": "grpo"}, "aqn": {"enabled": False}, "eval_interval": 5,
+                 "early_stop_patience": 3,
                  "dataset": {"source": "reasoning_gym", "task": "products", "size": 50}},
         "method": {"type": "reinforcement", "reinforcement": {"grader": {"type": "reasoning_gym", "name": "t"}}},
         "metadata": {"team": "rl"},
