@@ -493,35 +493,62 @@ def jobs_compare(job_ids: Annotated[Optional[list[str]], typer.Argument(help="tw
         out.print(f"[dim]the same in all: {', '.join(same)}[/]", highlight=False)
 
 
+JobId = Annotated[Optional[str], typer.Argument(help="the job's id (or --sweep ID for a sweep's jobs)")]
+Sweep = Annotated[Optional[str], typer.Option(help="every job of this sweep (qerl jobs create --sweep) it applies to")]
+
+
 @jobs_app.command("cancel")
 @_errors_as_messages
-def jobs_cancel(job_id: str, base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJson = False) -> None:
+def jobs_cancel(job_id: JobId = None, sweep: Sweep = None, base_url: BaseUrl = None, api_key: ApiKey = None,
+                as_json: AsJson = False) -> None:
     """Ask a job to stop; a running job saves a checkpoint and winds down (cancelling -> cancelled)."""
-    _job_action(Client.cancel, job_id, base_url, api_key, as_json)
+    _job_action(Client.cancel, job_id, sweep, ("validating_files", "queued", "running", "pausing", "paused"),
+                base_url, api_key, as_json)
 
 
-def _job_action(action: Callable[[Client, str], dict[str, Any]], job_id: str, base_url: str | None,
-                api_key: str | None, as_json: bool) -> None:
-    """POST one of a job's actions (cancel, pause, resume) and print the job's new status."""
+def _job_action(action: Callable[[Client, str], dict[str, Any]], job_id: str | None, sweep: str | None,
+                applies: tuple[str, ...], base_url: str | None, api_key: str | None, as_json: bool) -> None:
+    """POST one of a job's actions (cancel, pause, resume) and print the job's new status; with a
+    sweep, to each of its jobs in a state the action ``applies`` to (oldest first)."""
+    if (job_id is None) == (sweep is None):
+        raise QerlError(422, "give a job id or --sweep ID (qerl jobs list shows both)")
+    refused: list[str] = []
     with _client(base_url, api_key) as client:
-        job = action(client, job_id)
+        if job_id is not None:
+            jobs = [action(client, job_id)]
+        else:
+            jobs = []
+            for j in reversed(_all_jobs(client, {"sweep": sweep})):
+                if j["status"] in applies:
+                    try:
+                        jobs.append(action(client, j["id"]))
+                    except QerlError as exc:  # it moved on meanwhile (finished, say): the others still go
+                        refused.append(f"{j['id']}: {exc.message}")
     if as_json:
-        return _print_json(job)
-    out.print(f"{job['id']} {_status(job['status'])}")
+        _print_json(jobs[0] if job_id is not None else jobs)
+    elif not jobs and not refused:
+        out.print(f"no job of sweep {sweep} is {' or '.join(applies)}", highlight=False)
+    else:
+        for job in jobs:
+            out.print(f"{job['id']} {_status(job['status'])}")
+    if refused:
+        raise QerlError(409, "; ".join(refused))
 
 
 @jobs_app.command("pause")
 @_errors_as_messages
-def jobs_pause(job_id: str, base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJson = False) -> None:
+def jobs_pause(job_id: JobId = None, sweep: Sweep = None, base_url: BaseUrl = None, api_key: ApiKey = None,
+               as_json: AsJson = False) -> None:
     """Pause a job: a running job saves a checkpoint within a step and frees its worker (pausing -> paused)."""
-    _job_action(Client.pause, job_id, base_url, api_key, as_json)
+    _job_action(Client.pause, job_id, sweep, ("validating_files", "queued", "running"), base_url, api_key, as_json)
 
 
 @jobs_app.command("resume")
 @_errors_as_messages
-def jobs_resume(job_id: str, base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJson = False) -> None:
+def jobs_resume(job_id: JobId = None, sweep: Sweep = None, base_url: BaseUrl = None, api_key: ApiKey = None,
+                as_json: AsJson = False) -> None:
     """Queue a paused job again; it continues from the checkpoint it saved when it paused."""
-    _job_action(Client.resume, job_id, base_url, api_key, as_json)
+    _job_action(Client.resume, job_id, sweep, ("paused",), base_url, api_key, as_json)
 
 
 @jobs_app.command("watch")

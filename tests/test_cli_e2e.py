@@ -649,6 +649,28 @@ def test_a_sweep_creates_a_job_per_value_or_none(side: tuple[Served, str], tmp_p
     lone = qerl_server.qerl("jobs", "compare", "--sweep", "no-such-sweep")
     assert lone.returncode == 1 and "sweep no-such-sweep has 0 job(s)" in lone.stdout + lone.stderr
 
+    # a sweep's jobs paused, resumed and cancelled together; the finished ones are left as they are
+    long = ("jobs", "create", str(tmp_path / "job.yaml"), "--training-file", file_id, "--steps", "300",
+            "--set", "qerl.checkpoint_interval=0", "--sweep", "qerl.lora.r=[2, 4]", "--idempotency-key", "sweep-test-3")
+    assert qerl_server.qerl(*long).returncode == 0
+    paused = qerl_server.qerl("jobs", "pause", "--sweep", "sweep-test-3")
+    assert paused.returncode == 0 and len(re.findall(r"ftjob-\S+ (pausing|paused)", paused.stdout)) == 2, paused.stdout
+    def states() -> list[str]:
+        listed = qerl_server.qerl("jobs", "list", "--metadata", "sweep=sweep-test-3", "--json").stdout
+        return sorted(j["status"] for j in json.loads(listed)["data"])
+
+    deadline = time.monotonic() + 120
+    while states() != ["paused", "paused"] and time.monotonic() < deadline:
+        time.sleep(0.3)
+    resumed = qerl_server.qerl("jobs", "resume", "--sweep", "sweep-test-3")
+    assert resumed.returncode == 0 and resumed.stdout.count(" queued") == 2, resumed.stdout
+    cancelled = qerl_server.qerl("jobs", "cancel", "--sweep", "sweep-test-3")
+    assert cancelled.returncode == 0 and len(re.findall(r"ftjob-\S+ cancel", cancelled.stdout)) == 2
+    assert qerl_server.qerl("jobs", "cancel", "--sweep", "sweep-test-1").stdout.strip().startswith(
+        "no job of sweep sweep-test-1 is")  # both succeeded: nothing to cancel
+    neither = qerl_server.qerl("jobs", "cancel")
+    assert neither.returncode == 1 and "give a job id or --sweep ID" in neither.stdout + neither.stderr
+
     refused = qerl_server.qerl(*args, "--sweep", "qerl.lora.r=[2, -1]", "--idempotency-key", "sweep-test-2")
     assert refused.returncode == 1
     said = " ".join((refused.stdout + refused.stderr).split())
