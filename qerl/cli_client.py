@@ -153,11 +153,11 @@ def files_upload(path: Annotated[Path, typer.Argument(exists=True, dir_okay=Fals
         f = client.upload_file(path, purpose)
     if as_json:
         return _print_json(f)
-    rows, prompts = (f.get("qerl") or {}).get("rows"), (f.get("qerl") or {}).get("prompts")
+    q = f.get("qerl") or {}
+    rows, prompts, fields = q.get("rows"), q.get("prompts"), q.get("fields")
     repeats = f" ({prompts} distinct prompts)" if prompts is not None and rows is not None and prompts < rows else ""
     out.print(f"[bold]{f['id']}[/]  {escape(f['filename'])}  {_size(f['bytes'])}"
               + (f"  {rows} rows{repeats}" if rows is not None else ""))
-    fields = (f.get("qerl") or {}).get("fields")
     if fields and rows:  # what {{item.<field>}} can read: a typo, or a field only some rows have, shows here
         out.print("fields: " + ", ".join(escape(k) + (f" (in {n} of {rows} rows)" if n < rows else "")
                                          for k, n in sorted(fields.items())), highlight=False)

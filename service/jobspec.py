@@ -68,21 +68,18 @@ def _positive(value: Any, default: int) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
 
 
-def _training_rows(body: JobCreate, data: dict[str, Any], rows: int | None, prompts: int | None) -> int:
-    """Rows the training split will keep: the training file's (a built-in task's questions), less
-    those of the prompts held out for evaluation when there is no validation file (the rows of a
-    repeated prompt go with it: their share of the file, where prompts repeat)."""
-    dataset = data.get("dataset")
-    size = rows if rows is not None else _positive(dataset.get("size") if isinstance(dataset, dict) else None, 200)
-    questions = prompts if prompts is not None and rows is not None else size
+def _training_rows(body: JobCreate, data: dict[str, Any], size: int, questions: int) -> int:
+    """Rows the training split will keep: the ``size`` rows of the training file (a built-in task's
+    questions), less those of the prompts held out for evaluation when there is no validation file
+    (the rows of a repeated prompt go with it: their share of the file, where its ``questions``
+    distinct prompts repeat)."""
     held = data.get("eval_size", default_eval_size(questions)) if body.validation_file is None else 0
     if not isinstance(held, int) or isinstance(held, bool) or not 0 <= held < questions:
         return size  # TrainSpec or the check after it names the field
     return max(1, size - round(held * size / questions))
 
 
-def _hyper(body: JobCreate, d: dict[str, Any], qerl: dict[str, Any], rows: int | None,
-           prompts: int | None) -> dict[str, str]:
+def _hyper(body: JobCreate, d: dict[str, Any], qerl: dict[str, Any], size: int, questions: int) -> dict[str, str]:
     """Apply the OpenAI hyperparameters to the spec dict d; returns {spec field: the request param
     it came from} for the error that names a field set this way."""
     method_h = body.method.reinforcement.hyperparameters if body.method and body.method.reinforcement else None
@@ -123,9 +120,9 @@ def _hyper(body: JobCreate, d: dict[str, Any], qerl: dict[str, Any], rows: int |
         if "steps" in qerl:
             raise _invalid(f"{p}.n_epochs", f"give either {p}.n_epochs or qerl.steps, not both")
         # wrong types in these inputs are left for TrainSpec to reject with its own message
-        size = _training_rows(body, d["data"], rows, prompts)
         batch = _positive(d.get("prompts_per_step"), TrainSpec.prompts_per_step)
-        d["steps"] = math.ceil(h.n_epochs * size / batch) * _positive(d.get("rl", {}).get("mu"), 1)
+        d["steps"] = (math.ceil(h.n_epochs * _training_rows(body, d["data"], size, questions) / batch)
+                      * _positive(d.get("rl", {}).get("mu"), 1))
         came_from["steps"] = f"{p}.n_epochs"
     return came_from
 
@@ -238,13 +235,16 @@ def build_spec(body: JobCreate, lookup_file: Callable[[str], File | None],
                                                              for g in leaves(built)) if p), None))
             if problem:
                 raise _invalid(param, problem)
-    came_from = _hyper(body, d, qerl, rows, prompts)
-    # a held-out split takes distinct questions: those counted at upload, else (an older upload) the rows
-    distinct = prompts if prompts is not None else rows
+    # the rows training draws from (a built-in task's questions; a malformed task is TrainSpec's to
+    # name), and the distinct questions a held-out split takes: counted at upload, else (an older
+    # upload) the rows
     dataset = data.get("dataset")
-    questions = _positive(dataset.get("size"), 200) if isinstance(dataset, dict) else distinct  # a built-in task's
-    if questions is not None and body.validation_file is None and "eval_size" not in data:
+    size = rows if rows is not None else _positive(dataset.get("size") if isinstance(dataset, dict) else None, 200)
+    questions = prompts if prompts is not None else size
+    came_from = _hyper(body, d, qerl, size, questions)
+    if body.validation_file is None and "eval_size" not in data:
         data["eval_size"] = default_eval_size(questions)  # a small set keeps most of its questions
+    distinct = questions if rows is not None else None  # a file's (a built-in task's are TrainSpec's to check)
     d["model"] = entry.name
     d["seed"] = body.seed if body.seed is not None else secrets.randbelow(2**31)
     try:
