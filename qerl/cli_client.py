@@ -267,16 +267,6 @@ def jobs_create(
             _report_outcome(watch_job(client, job["id"], out))
 
 
-def _all_jobs(client: Client, metadata: dict[str, str]) -> list[dict[str, Any]]:
-    """Every job with these metadata pairs, newest first (all pages)."""
-    jobs: list[dict[str, Any]] = []
-    while True:
-        page = client.list_jobs(limit=100, after=jobs[-1]["id"] if jobs else None, metadata=metadata)
-        jobs += page["data"]
-        if not page.get("has_more") or not page["data"]:
-            return jobs
-
-
 def _create_sweep(body: dict[str, Any], points: list[dict[str, Any]], *, idempotency_key: str | None,
                   dry_run: bool, watch: bool, base_url: str | None, api_key: str | None, as_json: bool) -> None:
     """Create one job per sweep point, all tagged with one sweep id; if the server refuses one, the
@@ -464,7 +454,7 @@ def jobs_compare(job_ids: Annotated[Optional[list[str]], typer.Argument(help="tw
     with _client(base_url, api_key) as client:
         ids = list(job_ids or [])
         if sweep is not None:
-            ids += [j["id"] for j in reversed(_all_jobs(client, {"sweep": sweep})) if j["id"] not in ids]
+            ids += [j["id"] for j in reversed(client.all_jobs({"sweep": sweep})) if j["id"] not in ids]
         if len(ids) < 2:
             raise QerlError(422, "give two or more job ids to compare (qerl jobs list shows them)" if sweep is None
                             else f"sweep {sweep} has {len(ids)} job(s); compare needs two or more")
@@ -518,7 +508,7 @@ def _job_action(action: Callable[[Client, str], dict[str, Any]], job_id: str | N
             jobs = [action(client, job_id)]
         else:
             jobs = []
-            for j in reversed(_all_jobs(client, {"sweep": sweep})):
+            for j in reversed(client.all_jobs({"sweep": sweep})):
                 if j["status"] in applies:
                     try:
                         jobs.append(action(client, j["id"]))

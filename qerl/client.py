@@ -123,6 +123,15 @@ class Client:
         pairs = {f"metadata[{k}]": v for k, v in (metadata or {}).items()}
         return self.get("/v1/fine_tuning/jobs", status=status, limit=limit, after=after, **pairs)
 
+    def all_jobs(self, metadata: dict[str, str]) -> list[dict[str, Any]]:
+        """Every job with these metadata pairs, newest first (all pages)."""
+        jobs: list[dict[str, Any]] = []
+        while True:
+            page = self.list_jobs(limit=100, after=jobs[-1]["id"] if jobs else None, metadata=metadata)
+            jobs += page["data"]
+            if not page.get("has_more") or not page["data"]:
+                return jobs
+
     def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
         """Every checkpoint the job has recorded, newest first (all pages)."""
         found: list[dict[str, Any]] = []
