@@ -112,6 +112,7 @@ class _Run:
         # early_stop_patience: the best held-out reward so far (the start's included), its step, and
         # the evaluations since that scored no higher
         self.plateau: tuple[float, int, int] | None = None
+        self.eval_due: int | None = None  # the step of the latest evaluation begun (eval_interval, the last step)
         self.rollout: Any = None  # engine.rollout.backend.RolloutBackend, from _setup
         self.gpu_memory_cap_gib: float | None = None  # spec.max_gpu_memory_gib once applied to the device
         self._gpu_total = 0  # bytes of that device
@@ -406,6 +407,7 @@ class _Run:
         self.best_eval = (int(best[0]), float(best[1])) if best else None
         plateau = saved.state.get("plateau")
         self.plateau = (float(plateau[0]), int(plateau[1]), int(plateau[2])) if plateau else None
+        self.eval_due = saved.state.get("eval_due")
         self.reporter.event("info", f"Resumed from checkpoint step {self.step}",
                             {"step": self.step, "checkpoint": str(saved.path)})
 
@@ -445,6 +447,11 @@ class _Run:
             if result is None:
                 return self._stop(self._boundary())
             self.initial_eval = result
+        elif self.eval_due == self.step and self.last_eval_step != self.step:  # a stop cut it short: redo it
+            if self._evaluate() is None:
+                return self._stop(self._boundary())
+            if self.step < spec.steps and self._plateaued():
+                return self._finish(early=True)
 
         while self.step < spec.steps:
             boundary = self._step_boundary = self._boundary()
@@ -466,6 +473,7 @@ class _Run:
             report_samples(self.reporter, self.step, "train", self._step_samples)
             last_checkpoint = self.step >= spec.steps and _crossed(before, self.step, spec.checkpoint_interval)
             if (_crossed(before, self.step, spec.eval_interval) and self.step < spec.steps) or last_checkpoint:
+                self.eval_due = self.step
                 self._evaluate()  # the final evaluation before the last checkpoint, which then carries its scores
             if self.step < spec.steps and self.last_eval_step == self.step and self._plateaued():
                 return self._finish(early=True)
@@ -645,7 +653,9 @@ class _Run:
                  "initial_eval": self.initial_eval, "metrics": self.last_metrics,
                  "aqn": {"sigma_next": sigma_for_step(self.step, self.spec.steps, self.spec.aqn)},
                  "best_eval": list(self.best_eval) if self.best_eval is not None else None,
-                 "plateau": list(self.plateau) if self.plateau is not None else None}
+                 "plateau": list(self.plateau) if self.plateau is not None else None,
+                 # a step whose evaluation a stop cut short: the resumed run evaluates it first
+                 "eval_due": self.step if self.eval_due == self.step and self.last_eval_step != self.step else None}
         partial = self.step < self.spec.steps
         path = ckpt.save_checkpoint(self.workdir / "checkpoints", self.step, adapter=adapter_state_dict(self.model),
                                     optimizer=self.optimizer.state_dict(), scheduler=self.scheduler.state_dict(),

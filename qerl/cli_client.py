@@ -24,7 +24,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, Trans
 from rich.table import Column, Table
 
 from qerl.client import Client, QerlError
-from qerl.compare import results, settings, side_by_side
+from qerl.compare import results, settings, side_by_side, steps_done
 from qerl.jobbody import build_job_body, load_spec, sweep_bodies, sweep_points
 from qerl.term import stdout_console
 from qerl.watch import follow_events, watch_job
@@ -112,7 +112,7 @@ def _report_outcome(job: dict[str, Any]) -> None:
     if status == "succeeded":
         p = (job.get("qerl") or {}).get("progress") or {}
         early = (f" after {p['step']} of {p['total_steps']} steps (stopped early: early_stop_patience)"
-                 if 0 < p.get("step", 0) < p.get("total_steps", 0) else "")
+                 if p.get("stopped_early") else "")
         out.print(f"[green]Job {job['id']} succeeded[/]{early}: {escape(job.get('fine_tuned_model') or '')}")
         adapter = (job.get("qerl") or {}).get("adapter_id")
         if adapter:
@@ -331,8 +331,7 @@ def jobs_list(status: Annotated[Optional[str], typer.Option(help="only jobs in t
                          "no jobs yet (qerl jobs create job.yaml --training-file file-... submits one)", highlight=False)
     table = _table("id", "status", "model", "progress", "created", "fine-tuned model")
     for j in page["data"]:
-        p = j["qerl"]["progress"]
-        table.add_row(j["id"], _status(j["status"], j), escape(j["model"]), f"{p['step']}/{p['total_steps']}",
+        table.add_row(j["id"], _status(j["status"], j), escape(j["model"]), steps_done(j),
                       _when(j["created_at"]), escape(j.get("fine_tuned_model") or ""))
     out.print(table)
     if page.get("has_more"):
@@ -425,7 +424,7 @@ def jobs_get(job_id: str, base_url: BaseUrl = None, api_key: ApiKey = None, as_j
     q = job["qerl"]
     table = Table(show_header=False, box=None)
     rows = [("id", job["id"]), ("status", _status(job["status"])), ("model", escape(job["model"])),
-            ("progress", f"{q['progress']['step']}/{q['progress']['total_steps']} steps"),
+            ("progress", steps_done(job, " steps")),
             ("quantization", q.get("quantization", "")), ("attempt", f"{q.get('attempt')}/{q.get('max_attempts')}"),
             ("training file", job.get("training_file") or "-"), ("created", _when(job["created_at"])),
             ("started", _when(q.get("started_at"))), ("finished", _when(job.get("finished_at"))),

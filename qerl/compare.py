@@ -25,6 +25,13 @@ def _first_last(metrics: Sequence[dict[str, Any]], key: str, digits: int) -> str
     return f"{a:.{digits}f} -> {b:.{digits}f} (steps {a_step}-{b_step})"
 
 
+def steps_done(job: dict[str, Any], unit: str = "") -> str:
+    """``step/total_steps``, and why a succeeded job has fewer (early_stop_patience ended it)."""
+    p = (job.get("qerl") or {}).get("progress") or {}
+    early = " (stopped early)" if p.get("stopped_early") else ""
+    return f"{p.get('step', 0)}/{p.get('total_steps', 0)}{unit}{early}"
+
+
 def _duration(job: dict[str, Any]) -> str:
     start, end = (job.get("qerl") or {}).get("started_at"), job.get("finished_at")
     if not start or not end or end < start:
@@ -67,11 +74,10 @@ def results(job: dict[str, Any], metrics: Sequence[dict[str, Any]]) -> list[tupl
     """What a job reached: its steps and time, the training reward of its first and last step, the
     held-out accuracy and reward from its first evaluation (before training) to its last, and the
     rollouts' mean speed."""
-    p = (job.get("qerl") or {}).get("progress") or {}
     speeds = [v for m in metrics if (v := _number(m["values"], "rollout_tokens_per_s")) is not None]
     return [
         ("status", job.get("status", "")),
-        ("steps", f"{p.get('step', 0)}/{p.get('total_steps', 0)}"),
+        ("steps", steps_done(job)),
         ("time", _duration(job)),
         ("reward", _first_last(metrics, "reward_mean", 3)),
         ("held-out accuracy", _first_last(metrics, "eval/accuracy", 3)),

@@ -148,6 +148,8 @@ class JobError(BaseModel):
 class JobProgress(BaseModel):
     step: int
     total_steps: int
+    # succeeded before total_steps: qerl.early_stop_patience ended it (its events say when and why)
+    stopped_early: bool = False
 
 
 class JobQerl(BaseModel):

@@ -82,7 +82,7 @@ def job_view(j: m.Job, queue_position: int | None = None) -> s.FineTuningJob:
         method={"type": "reinforcement", "reinforcement": {"grader": spec.get("grader"), "hyperparameters": hyper}},
         user_provided_suffix=j.suffix,
         qerl=s.JobQerl(quantization=spec.get("quantization", ""), progress=s.JobProgress(
-            step=j.step, total_steps=j.total_steps), attempt=j.attempt, max_attempts=j.max_attempts,
+            step=j.step, total_steps=j.total_steps, stopped_early=j.status == "succeeded" and j.step < j.total_steps), attempt=j.attempt, max_attempts=j.max_attempts,
             cancel_requested=j.cancel_requested, adapter_id=j.adapter_id, started_at=unix(j.started_at),
             dataset=spec.get("data", {}).get("dataset"), spec=spec,
             queue_position=queue_position if j.status == "queued" else None),

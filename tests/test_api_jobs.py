@@ -58,7 +58,7 @@ def test_create_maps_the_request_to_a_train_spec(client, key_a, file_id, db_sess
     # ceil(2 epochs * 30 rows / 4): a quarter of the 40 rows' prompts is held out
     assert spec.optim.lr == pytest.approx(2e-5) and spec.steps == 15 and spec.data.eval_size == 10
     assert spec.data.train_file == f"files/{file_id}.jsonl" and spec.data.dataset is None
-    assert job["qerl"]["progress"] == {"step": 0, "total_steps": 15} and job["qerl"]["attempt"] == 0
+    assert job["qerl"]["progress"] == {"step": 0, "total_steps": 15, "stopped_early": False} and job["qerl"]["attempt"] == 0
     with db_sessions() as s:
         row = s.get(Job, job["id"])
         assert row.project == key_a.project and row.request["seed"] == 7 and row.spec == job["qerl"]["spec"]

@@ -31,7 +31,7 @@ def test_openai_sdk_round_trip(sdk: OpenAI, key_b, live_server):
     assert job.object == "fine_tuning.job" and job.status == "queued" and job.seed == 11
     assert job.method.type == "reinforcement" and job.method.reinforcement.grader.type == "string_check"
     assert job.hyperparameters.batch_size == 2 and job.metadata == {"run": "1"}
-    assert job.model_extra["qerl"]["progress"] == {"step": 0, "total_steps": 15}  # 1 epoch x 30 rows / 2: 10 held out
+    assert job.model_extra["qerl"]["progress"] == {"step": 0, "total_steps": 15, "stopped_early": False}  # 1 epoch x 30 rows / 2: 10 held out
 
     again = sdk.fine_tuning.jobs.retrieve(job.id)
     assert again.id == job.id and again.created_at == job.created_at and again.training_file == f.id

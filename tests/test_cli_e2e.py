@@ -38,7 +38,7 @@ def test_create_and_watch_render_progress_and_exit_0(cli_job: CliJob, qerl_serve
     assert re.search(rf"^succeeded  {STEPS}/{STEPS} steps  reward \d\.\d{{3}}", again.stdout, re.M), again.stdout
     assert f"Job {cli_job.job_id} succeeded" in out
     job = cli_job.job
-    assert job["status"] == "succeeded" and job["qerl"]["progress"] == {"step": STEPS, "total_steps": STEPS}
+    assert job["status"] == "succeeded" and job["qerl"]["progress"] == {"step": STEPS, "total_steps": STEPS, "stopped_early": False}
     # the YAML spec and the flags both reached the server
     assert job["model"] == "tiny" and job["training_file"] == cli_job.file_id and job["seed"] == 3
     assert job["metadata"] == {"origin": "test"} and job["user_provided_suffix"] == "cli"
@@ -683,7 +683,8 @@ def test_a_sweep_creates_a_job_per_value_or_none(side: tuple[Served, str], tmp_p
 def test_a_job_that_stops_improving_ends_early_and_says_so(side: tuple[Served, str], tmp_path: Path) -> None:
     """qerl.early_stop_patience through the service: a job that cannot learn (a learning rate too
     small to move the LoRA) ends succeeded after its first evaluation that is no better than the
-    start, its events and watch's closing line say why, and its adapter is there."""
+    start, its events, watch's closing line, its progress and `qerl jobs get` say why, and its
+    adapter is there."""
     qerl_server, file_id = side
     (tmp_path / "job.yaml").write_text(JOB_SPEC_YAML)
     created = qerl_server.qerl("jobs", "create", str(tmp_path / "job.yaml"), "--training-file", file_id,
@@ -698,4 +699,6 @@ def test_a_job_that_stops_improving_ends_early_and_says_so(side: tuple[Served, s
                                               params={"limit": 100}, headers=qerl_server.headers).json()["data"]]
     assert any(m.startswith("Stopping early at step 1/5: 1 evaluation since step 0 scored no higher") for m in events), events
     job = httpx.get(f"{qerl_server.url}/v1/fine_tuning/jobs/{job_id}", headers=qerl_server.headers).json()
-    assert job["qerl"]["adapter_id"] and job["qerl"]["progress"] == {"step": 1, "total_steps": 5}
+    assert job["qerl"]["adapter_id"] and job["qerl"]["progress"] == {"step": 1, "total_steps": 5, "stopped_early": True}
+    got = qerl_server.qerl("jobs", "get", job_id)
+    assert got.returncode == 0 and "1/5 steps (stopped early)" in got.stdout, got.stdout

@@ -203,7 +203,8 @@ def test_python_m_qerl_is_the_qerl_command():
 
 def test_compare_results_from_a_jobs_metrics():
     """What compare says a job reached, from its metrics rows: the first and last value of each
-    metric over the steps that have it, '-' where none does, the time from start to finish."""
+    metric over the steps that have it, '-' where none does, the time from start to finish, and
+    a job early_stop_patience ended says so beside its steps."""
     from qerl.compare import results, side_by_side
 
     job = {"status": "succeeded", "qerl": {"progress": {"step": 3, "total_steps": 3}, "started_at": 100},
@@ -218,6 +219,8 @@ def test_compare_results_from_a_jobs_metrics():
         ("rollout tokens/s", "200")]
     running = {"status": "running", "qerl": {"progress": {"step": 0, "total_steps": 5}, "started_at": 100}}
     assert dict(results(running, []))["reward"] == "-" and dict(results(running, []))["time"] == "-"
+    early = {"status": "succeeded", "qerl": {"progress": {"step": 2, "total_steps": 6, "stopped_early": True}}}
+    assert dict(results(early, []))["steps"] == "2/6 (stopped early)"
     assert side_by_side([[("a", "1"), ("b", "2")], [("b", "3"), ("c", "4")]]) == [
         ("a", ["1", "-"]), ("b", ["2", "3"]), ("c", ["-", "4"])]
 

@@ -316,3 +316,43 @@ def test_a_queued_jobs_page_shows_its_place_in_the_queue(browser, cli_job: CliJo
         for jid in (busy, *([waiting] if "waiting" in locals() else [])):
             httpx.post(f"{qerl_server.url}/v1/fine_tuning/jobs/{jid}/cancel", headers=qerl_server.headers)
     _wait(driver, lambda d: job(busy)["status"] == "cancelled", timeout=60, what="the first job to be cancelled")
+
+
+@needs_chromium
+def test_a_job_that_stopped_early_shows_as_done(browser, cli_job: CliJob, qerl_server: Served) -> None:
+    """A job early_stop_patience ended (a learning rate too small to move the LoRA: its first
+    evaluation is no better than the start) succeeds short of its steps: its page's bar is full and
+    its progress says it stopped early, as does its row in the jobs list."""
+    from selenium.webdriver.common.by import By
+
+    body = yaml.safe_load(JOB_SPEC_YAML) | {"training_file": cli_job.file_id}
+    body["qerl"].update(steps=5, checkpoint_interval=0, eval_interval=1, early_stop_patience=1,
+                        aqn={"enabled": False}, optim={"lr": 1e-12})
+    resp = httpx.post(f"{qerl_server.url}/v1/fine_tuning/jobs", json=body, headers=qerl_server.headers)
+    assert resp.status_code == 200, resp.text
+    job_id = resp.json()["id"]
+
+    def job() -> dict:
+        return httpx.get(f"{qerl_server.url}/v1/fine_tuning/jobs/{job_id}", headers=qerl_server.headers).json()
+
+    driver = browser
+    _wait(driver, lambda d: job()["status"] in ("succeeded", "failed", "cancelled"), timeout=300, what="the job to end")
+    assert job()["status"] == "succeeded" and job()["qerl"]["progress"] == {"step": 1, "total_steps": 5,
+                                                                          "stopped_early": True}, job()
+    driver.get(f"{qerl_server.url}/")
+    driver.execute_script("localStorage.setItem('qerl.apiKey', arguments[0])", qerl_server.api_key)
+    driver.get(f"{qerl_server.url}/#/jobs/{job_id}")
+    driver.refresh()
+    _wait(driver, lambda d: d.find_element(By.ID, "job-id").text == job_id and d.execute_script(
+        "const e = [...document.querySelectorAll('#job-facts > div')].find(e => e.querySelector('dt').textContent"
+        " === 'Progress'); return e && e.querySelector('dd').textContent") == "1 / 5 steps (stopped early)",
+          what="the job's progress")
+    assert driver.execute_script("return document.getElementById('job-bar').style.width") == "100%"
+    driver.get(f"{qerl_server.url}/#/")
+    _wait(driver, lambda d: d.execute_script(
+        "const r = document.querySelector(`tr[data-job-id='${arguments[0]}']`); return r && r.textContent",
+        job_id) is not None, what="the job's row")
+    cell = driver.execute_script(
+        "const r = document.querySelector(`tr[data-job-id='${arguments[0]}'] td:nth-child(4)`);"
+        "return [r.textContent, r.querySelector('.mini > span').style.width]", job_id)
+    assert cell == ["1/5 early", "100%"], cell

@@ -235,6 +235,20 @@ def test_early_stop_ends_the_run_when_the_held_out_reward_plateaus(tiny_dir, tmp
     assert not resumed.stopped and resumed.steps == 2
     assert any(msg.startswith("Stopping early at step 2/6") for _, msg, _ in again.events)
 
+    cut = NullReporter()  # stopped during step 1's evaluation: the resumed run evaluates step 1 first
+    stopped = train(make_spec(tiny_dir, data, **flat), workdir=tmp_path / "e", reporter=cut,
+                    should_stop=lambda: any(s == 1 and "reward_mean" in m for s, m in cut.steps))
+    assert stopped.stopped and stopped.steps == 1
+    assert [s for s, m in cut.steps if "eval/reward_mean" in m] == [0]
+    assert load_checkpoint(tmp_path / "e" / "checkpoints").state["eval_due"] == 1
+    redo = NullReporter()
+    resumed = train(make_spec(tiny_dir, data, **flat), workdir=tmp_path / "e", reporter=redo,
+                    should_stop=lambda: False, resume_from=tmp_path / "e" / "checkpoints")
+    assert not resumed.stopped and resumed.steps == 2
+    assert [s for s, m in redo.steps if "eval/reward_mean" in m] == [1, 2]
+    assert [m for _, m, _ in redo.events if m.startswith("Stopping early")] == [
+        m for _, m, _ in rep.events if m.startswith("Stopping early")]
+
     patient = train(make_spec(tiny_dir, data, **{**flat, "steps": 3, "early_stop_patience": 0}),
                     workdir=tmp_path / "c", reporter=NullReporter(), should_stop=lambda: False)
     assert patient.steps == 3

@@ -202,13 +202,14 @@
 
     function row(j) {
       const p = j.qerl.progress;
-      const pct = p.total_steps ? Math.round((100 * p.step) / p.total_steps) : 0;
+      const pct = p.stopped_early ? 100 : p.total_steps ? Math.round((100 * p.step) / p.total_steps) : 0;
       return el('tr', { class: 'job-row', 'data-job-id': j.id, 'data-status': j.status },
         el('td', {}, el('a', { href: `#/jobs/${j.id}` }, j.id)),
         el('td', {}, badge(j.status), j.qerl.queue_position
           ? el('span', { class: 'place', title: 'place in the queue (1: next to start)' }, ` #${j.qerl.queue_position}`) : null),
         el('td', {}, j.model),
-        el('td', {}, el('span', { class: 'mini' }, el('span', { style: `width:${pct}%` })), `${p.step}/${p.total_steps}`),
+        el('td', {}, el('span', { class: 'mini' }, el('span', { style: `width:${pct}%` })), `${p.step}/${p.total_steps}`,
+          p.stopped_early ? el('span', { class: 'early', title: 'ended by early_stop_patience' }, ' early') : null),
         el('td', {}, when(j.created_at)),
         el('td', { class: 'wrap' }, j.fine_tuned_model || ''));
     }
@@ -343,9 +344,11 @@
       const p = j.qerl.progress;
       const status = document.getElementById('job-status');
       status.replaceWith(Object.assign(badge(j.status), { id: 'job-status' }));
-      document.getElementById('job-bar').style.width = p.total_steps ? `${(100 * p.step) / p.total_steps}%` : '0';
+      // a job early_stop_patience ended is done: its bar is full, its steps say why they are fewer
+      document.getElementById('job-bar').style.width = p.stopped_early ? '100%'
+        : p.total_steps ? `${(100 * p.step) / p.total_steps}%` : '0';
       const facts = [
-        ['Model', j.model], ['Progress', `${p.step} / ${p.total_steps} steps`],
+        ['Model', j.model], ['Progress', `${p.step} / ${p.total_steps} steps${p.stopped_early ? ' (stopped early)' : ''}`],
         ['Quantization', j.qerl.quantization], ['Attempt', `${j.qerl.attempt} / ${j.qerl.max_attempts}`],
         ['Training file', j.training_file || (j.qerl.dataset ? `${j.qerl.dataset.source}:${j.qerl.dataset.task}` : '–')],
         ['Created', when(j.created_at)], ['Started', when(j.qerl.started_at)], ['Finished', when(j.finished_at)],
