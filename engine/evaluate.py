@@ -21,10 +21,23 @@ def evaluate(model: Any, tokenizer: Any, prompts: list[list[int]], items: list[d
              samples: list[dict[str, Any]] | None = None, keep: int = 0) -> dict[str, float] | None:
     """``eval/*`` metrics (see engine.metrics), or None when ``should_stop`` cut decoding short;
     the first ``keep`` completions are appended to ``samples`` (engine.metrics.sample_rows)."""
-    from engine.rollout.backend import native_generate
-
     if not prompts:
         return {}
+    completions = greedy_completions(model, tokenizer, prompts, sampling, max_batch=max_batch, should_stop=should_stop)
+    if completions is None:
+        return None
+    scores, parts, correct = grade(grader, completions, items)
+    if samples is not None and keep:
+        samples.extend(sample_rows(tokenizer, prompts, completions, scores, parts, keep))
+    return metrics_of(completions, scores, parts, correct)
+
+
+def greedy_completions(model: Any, tokenizer: Any, prompts: list[list[int]], sampling: Any, *, max_batch: int = 64,
+                       should_stop: Callable[[], bool] | None = None) -> list[Any] | None:
+    """One greedy completion per prompt from the model as it is (its LoRA attached unless disabled),
+    without AQN noise; None when ``should_stop`` cut decoding short."""
+    from engine.rollout.backend import native_generate
+
     greedy = dataclasses.replace(sampling, temperature=0.0, top_p=1.0, top_k=0)
     clear_noise(model.aqn_norms())
     generator = torch.Generator(device="cpu").manual_seed(0)  # unused by greedy decoding; never the run's
@@ -36,13 +49,42 @@ def evaluate(model: Any, tokenizer: Any, prompts: list[list[int]], items: list[d
                                           should_stop=should_stop, max_batch=max_batch)
     finally:
         model.train(was_training)
-    if any(c.finish_reason == "cancelled" for c in completions):
-        return None
-    scores, parts, correct = grade(grader, completions, items)
-    if samples is not None and keep:
-        samples.extend(sample_rows(tokenizer, prompts, completions, scores, parts, keep))
+    return None if any(c.finish_reason == "cancelled" for c in completions) else completions
+
+
+def metrics_of(completions: list[Any], scores: list[float], parts: list[dict[str, float]],
+               correct: list[bool]) -> dict[str, float]:
+    """The ``eval/*`` metrics of graded completions."""
     return sample_metrics(scores, parts, correct, [len(c.token_ids) for c in completions],
                           [c.finish_reason == "length" for c in completions], prefix="eval/")
+
+
+def examples_problem(grader: Any, examples: list[Any], where: str) -> str | None:
+    """Why ``grader`` cannot score every one of ``examples`` (engine.data.load.Example; ``where``
+    names their file in the message), or None: a row without an item field the grader reads (it
+    would fail at its first such row, mid-run), or without what one of its graders checks (a
+    reasoning_gym grader without a task: a task the row names)."""
+    from engine.data.jsonl import field_counts, missing_item_fields
+    from engine.rewards.multi import leaves
+
+    needed = grader.item_fields
+    counts = field_counts(ex.item for ex in examples)
+    if counts is None:  # free-form keys: count only what the grader reads
+        counts = {name: sum(name in ex.item for ex in examples) for name in needed}
+    first: dict[str, int] = {}
+    for ex in examples:
+        for name in needed:
+            if name not in ex.item and ex.line is not None:
+                first[name] = min(first.get(name, ex.line), ex.line)
+    problem = missing_item_fields(needed, counts, len(examples), where, first) if needed else None
+    if problem:
+        return problem
+    graders = list(leaves(grader))
+    for k, ex in sorted(enumerate(examples), key=lambda kx: (kx[1].line or 0, kx[0])):  # file order
+        problem = next(filter(None, (g.check_item(ex.item) for g in graders)), None)
+        if problem:
+            return f"{where} {f'line {ex.line}' if ex.line is not None else f'row {k + 1}'}: {problem}"
+    return None
 
 
 def grade(grader: Any, completions: list[Any], items: list[dict[str, Any]]

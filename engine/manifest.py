@@ -131,6 +131,7 @@ def write_adapter(model: Any, out_dir: Path, *, spec: Any, steps: int, metrics: 
         "stopped_early": stopped,
         "metrics": {k: float(v) for k, v in metrics.items()},
         "prompt_framing": prompt_framing if prompt_framing is not None else [],
+        "grader": spec.grader,  # what its rewards were: `qerl eval` grades a test file with it
         "files": files,
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))

@@ -34,7 +34,7 @@ import torch
 
 from engine import checkpoint as ckpt
 from engine import memory_plan
-from engine.evaluate import evaluate, grade
+from engine.evaluate import evaluate, examples_problem, grade
 from engine.metrics import UpdateStats, peak_memory_mb, report_samples, sample_metrics, sample_rows
 from engine.rewards.model_grader import ModelGraderError, judge_tokens
 from engine.rl.advantages import group_advantages, keep_groups
@@ -267,10 +267,7 @@ class _Run:
         """Every row the grader will score has the item fields it reads and what else its graders
         check (a reasoning_gym grader without a task: a task the row names); a row without them
         would end the job at its first rollout, after the model loaded."""
-        from engine.data.jsonl import field_counts, missing_item_fields
-        from engine.rewards.multi import leaves
-
-        needed, data, graders = self.grader.item_fields, self.spec.data, list(leaves(self.grader))
+        data = self.spec.data
         if data.dataset is not None:
             parts = [("data.dataset", train_ex + eval_ex)]
         elif data.validation_file is not None:
@@ -278,22 +275,9 @@ class _Run:
         else:
             parts = [("data.train_file", train_ex + eval_ex)]
         for where, examples in parts:
-            counts = field_counts(ex.item for ex in examples)
-            if counts is None:  # free-form keys: count only what the grader reads
-                counts = {name: sum(name in ex.item for ex in examples) for name in needed}
-            first: dict[str, int] = {}
-            for ex in examples:
-                for name in needed:
-                    if name not in ex.item and ex.line is not None:
-                        first[name] = min(first.get(name, ex.line), ex.line)
-            problem = missing_item_fields(needed, counts, len(examples), where, first) if needed else None
+            problem = examples_problem(self.grader, examples, where)
             if problem:
                 raise TrainError("invalid_dataset", problem)
-            for k, ex in sorted(enumerate(examples), key=lambda kx: (kx[1].line or 0, kx[0])):  # file order
-                problem = next(filter(None, (g.check_item(ex.item) for g in graders)), None)
-                if problem:
-                    row = f"line {ex.line}" if ex.line is not None else f"row {k + 1}"
-                    raise TrainError("invalid_dataset", f"{where} {row}: {problem}")
 
     # -- the memory plan (engine.memory_plan): native rollouts on a GPU ----------------------
     def _memory_limit(self) -> int:

@@ -14,6 +14,7 @@ _COMMANDS = (
     ("qerl.cli_engine", "train, quantize"),
     ("qerl.cli_plan", "plan"),
     ("qerl.cli_generate", "generate"),
+    ("qerl.cli_eval", "eval"),
     ("qerl.cli_client", "files, jobs, adapters"),
     ("qerl.cli_graders", "graders"),
     ("qerl.demo", "demo"),

@@ -80,15 +80,32 @@ def _cached(name: str, download: Callable[[Path], Any]) -> Path:
     return target
 
 
-def _adapter_facts(adapter: Path) -> tuple[str, str, list[dict[str, str]]]:
-    """(base model, quantization, prompt framing) the adapter was trained with, from its manifest
-    (or PEFT's config: no framing known)."""
+def resolve_adapter(adapter_ref: str, checkpoint: int | None, base_url: str | None, api_key: str | None) -> Path:
+    """The adapter directory ADAPTER names: a directory as it is, a job id, adapter id or ``ft:``
+    name downloaded from the server (``checkpoint``: that checkpoint's LoRA)."""
+    adapter = Path(adapter_ref)
+    if not adapter.exists() and adapter_ref.startswith(SERVER_REFS):
+        return _fetch(adapter_ref, checkpoint, base_url, api_key)
+    if checkpoint is not None:
+        raise typer.BadParameter("--checkpoint picks a checkpoint of a job on the server: give a job id, adapter id "
+                                 "or ft: name (a directory is one adapter already)", param_hint="--checkpoint")
+    return adapter
+
+
+def adapter_manifest(adapter: Path) -> dict[str, Any]:
+    """The adapter's ``qerl_manifest.json`` ({} for a PEFT directory without one)."""
     if not (adapter / "adapter_config.json").is_file():
         raise typer.BadParameter(f"{adapter} is not a PEFT adapter directory (no adapter_config.json); "
                                  "`qerl adapters download ID -o DIR` extracts one", param_hint="ADAPTER")
-    manifest_path = adapter / "qerl_manifest.json"
-    if manifest_path.is_file():
-        manifest = json.loads(manifest_path.read_text())
+    path = adapter / "qerl_manifest.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _adapter_facts(adapter: Path) -> tuple[str, str, list[dict[str, str]]]:
+    """(base model, quantization, prompt framing) the adapter was trained with, from its manifest
+    (or PEFT's config: no framing known)."""
+    manifest = adapter_manifest(adapter)
+    if manifest:
         base = manifest.get("base_model") or {}
         name = base.get("name") if isinstance(base, dict) else base
         framing = manifest.get("prompt_framing")
@@ -98,33 +115,39 @@ def _adapter_facts(adapter: Path) -> tuple[str, str, list[dict[str, str]]]:
     return str(config.get("base_model_name_or_path") or ""), "bf16", []
 
 
+def framed_chat(row: dict[str, Any], system: str | None, framing: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The chat for a row of a prompts file (checked by engine.data.jsonl.row_problem): a plain
+    ``prompt`` comes after ``framing`` (the turns training put before its questions), whose system
+    turn ``system`` replaces; ``messages`` (OpenAI's chat format) are sent as given, with ``system``
+    first where they have no system turn."""
+    from engine.data.prompts import row_messages
+
+    if "prompt" not in row:
+        return row_messages(row, system_prompt=system, one_shot=False)
+    head = [{"role": "system", "content": system}] if system else []
+    rest = [m for m in framing if m.get("role") != "system"]
+    return [*(head or [m for m in framing if m.get("role") == "system"]), *rest,
+            {"role": "user", "content": row["prompt"]}]
+
+
+def read_rows(path: Path, param: str) -> list[tuple[int, dict[str, Any]]]:
+    """(line, row) of a JSONL file of prompts, each checked as an upload's rows are; a bad line is
+    an error naming it."""
+    from engine.data.jsonl import parse_jsonl_lines
+
+    rows, errors = parse_jsonl_lines(path.read_bytes())
+    if errors:
+        raise typer.BadParameter(f"{path}: {'; '.join(errors)}", param_hint=param)
+    return rows
+
+
 def _prompts(prompt: list[str], prompts_file: Path | None, system: str | None,
              framing: list[dict[str, str]]) -> list[list[dict[str, str]]]:
     """Chat messages per prompt: each --prompt a user turn, each line of --prompts-file a JSON object
-    with ``messages`` (OpenAI's chat format, sent as given) or ``prompt`` (a user turn). A plain
-    prompt comes after ``framing`` (the turns training put before its questions), whose system
-    turn ``system`` replaces; ``messages`` get ``system`` only."""
-    head = [{"role": "system", "content": system}] if system else []
-    rest = [m for m in framing if m.get("role") != "system"]
-    plain = [*(head or [m for m in framing if m.get("role") == "system"]), *rest]
-    out = [[*plain, {"role": "user", "content": p}] for p in prompt]
+    with ``messages`` or ``prompt`` (framed_chat)."""
+    out = [framed_chat({"prompt": p}, system, framing) for p in prompt]
     if prompts_file is not None:
-        for n, line in enumerate(prompts_file.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise typer.BadParameter(f"{prompts_file} line {n} is not JSON: {exc.msg}",
-                                         param_hint="--prompts-file") from None
-            if isinstance(row, dict) and isinstance(row.get("messages"), list):
-                out.append([*head, *row["messages"]] if head and row["messages"][0].get("role") != "system"
-                           else row["messages"])
-            elif isinstance(row, dict) and isinstance(row.get("prompt"), str):
-                out.append([*plain, {"role": "user", "content": row["prompt"]}])
-            else:
-                raise typer.BadParameter(f"{prompts_file} line {n}: give {{\"messages\": [...]}} or "
-                                         "{\"prompt\": \"...\"}", param_hint="--prompts-file")
+        out += [framed_chat(row, system, framing) for _, row in read_rows(prompts_file, "--prompts-file")]
     if not out:
         raise typer.BadParameter("give at least one --prompt TEXT or a --prompts-file", param_hint="--prompt")
     return out
@@ -162,47 +185,21 @@ def generate_cmd(
     """Answer prompts with a fine-tuned adapter on its base model (and with the base alone)."""
     import torch
 
-    from engine.lora import load_peft_adapter, lora_disabled, peft_lora_spec
-    from engine.model import load_model
-    from engine.model.load import compute_dtype
+    from engine.lora import lora_disabled
     from engine.rollout.backend import native_generate
     from engine.rollout.params import SamplingParams
-    from engine.spec import QUANTIZATIONS
     from engine.train_batch import apply_chat_template
-    from engine.train_loop import pick_device
-    from engine.types import TrainError
 
     if not prompt and prompts_file is None:
         raise typer.BadParameter("give at least one --prompt TEXT or a --prompts-file", param_hint="--prompt")
-    adapter = Path(adapter_ref)
-    if not adapter.exists() and adapter_ref.startswith(SERVER_REFS):
-        adapter = _fetch(adapter_ref, checkpoint, base_url, api_key)
-    elif checkpoint is not None:
-        raise typer.BadParameter("--checkpoint picks a checkpoint of a job on the server: give a job id, adapter id "
-                                 "or ft: name (a directory is one adapter already)", param_hint="--checkpoint")
+    adapter = resolve_adapter(adapter_ref, checkpoint, base_url, api_key)
     trained_base, trained_format, trained_framing = _adapter_facts(adapter)
     chats = _prompts(prompt or [], prompts_file, system, trained_framing if framing else [])
-    base_model = base or trained_base
-    if not base_model:
-        raise typer.BadParameter(f"{adapter} does not name its base model; give --base", param_hint="--base")
-    fmt = quantization or trained_format
-    if fmt not in QUANTIZATIONS:
-        raise typer.BadParameter(f"choose one of {', '.join(QUANTIZATIONS)}; got {fmt!r}", param_hint="--quantization")
     try:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--top-p") from None
-    try:
-        dev = pick_device(device)
-    except (TrainError, RuntimeError) as exc:
-        raise typer.BadParameter(str(exc), param_hint="--device") from None
-    try:
-        model, tokenizer = load_model(base_model, quantization=fmt, lora=peft_lora_spec(adapter), device=dev,
-                                      dtype=compute_dtype(dev), source_dtype=torch.bfloat16)
-        load_peft_adapter(model, adapter)
-    except (ValueError, FileNotFoundError, KeyError) as exc:
-        console.print(f"[red]cannot load {escape(base_model)} with the adapter in {adapter}: {escape(str(exc))}[/]")
-        raise typer.Exit(2) from None
+    model, tokenizer, base_model, fmt, dev = load_adapted(adapter, base, quantization, device)
     ids = [apply_chat_template(tokenizer, chat) for chat in chats]
 
     def answer() -> list[Any]:
@@ -240,6 +237,39 @@ def generate_cmd(
             console.print(f"[dim]plain prompts asked as in training: after its "
                           f"{'system turn and ' if any(m.get('role') == 'system' for m in trained_framing) else ''}"
                           f"{shots} worked example{'s' if shots != 1 else ''} (--no-framing: as given)[/]")
+
+
+def load_adapted(adapter: Path, base: str | None, quantization: str | None, device: str) -> tuple[Any, Any, str, str, Any]:
+    """(model, tokenizer, base model, format, device): the adapter attached to its base (the one its
+    manifest names unless ``base``), held in the format it trained on unless ``quantization``."""
+    import torch
+
+    from engine.lora import load_peft_adapter, peft_lora_spec
+    from engine.model import load_model
+    from engine.model.load import compute_dtype
+    from engine.spec import QUANTIZATIONS
+    from engine.train_loop import pick_device
+    from engine.types import TrainError
+
+    trained_base, trained_format, _ = _adapter_facts(adapter)
+    base_model = base or trained_base
+    if not base_model:
+        raise typer.BadParameter(f"{adapter} does not name its base model; give --base", param_hint="--base")
+    fmt = quantization or trained_format
+    if fmt not in QUANTIZATIONS:
+        raise typer.BadParameter(f"choose one of {', '.join(QUANTIZATIONS)}; got {fmt!r}", param_hint="--quantization")
+    try:
+        dev = pick_device(device)
+    except (TrainError, RuntimeError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="--device") from None
+    try:
+        model, tokenizer = load_model(base_model, quantization=fmt, lora=peft_lora_spec(adapter), device=dev,
+                                      dtype=compute_dtype(dev), source_dtype=torch.bfloat16)
+        load_peft_adapter(model, adapter)
+    except (ValueError, FileNotFoundError, KeyError) as exc:
+        console.print(f"[red]cannot load {escape(base_model)} with the adapter in {adapter}: {escape(str(exc))}[/]")
+        raise typer.Exit(2) from None
+    return model, tokenizer, base_model, fmt, dev
 
 
 def register(app: typer.Typer) -> None:

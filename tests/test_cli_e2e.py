@@ -18,7 +18,8 @@ import pytest
 
 from qerl.client import Client
 
-from tests._client_server import JOB_SPEC_YAML, STEPS, CliJob, Served, cli_job, qerl_server  # noqa: F401 (fixtures)
+from tests._client_server import JOB_SPEC_YAML, STEPS, TRAIN_ROWS, CliJob, Served, cli_job, qerl_server  # noqa: F401 (fixtures)
+from tests.conftest import jsonl
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -515,7 +516,8 @@ def test_samples_show_what_the_model_wrote_at_a_step(cli_job: CliJob, qerl_serve
 
 def test_generate_fetches_a_jobs_adapter_from_the_server(cli_job: CliJob, qerl_server: Served) -> None:
     """`qerl generate ftjob-...` downloads the job's adapter into the cache (once) and answers with
-    it on the base its manifest names; the fine-tuned model's name finds the same adapter."""
+    it on the base its manifest names; the fine-tuned model's name finds the same adapter; `qerl
+    eval ftjob-...` scores test rows with it and the job's own grader, from the manifest."""
     adapter_id = cli_job.job["qerl"]["adapter_id"]
     args = ("--prompt", "Write sentence number 3.", "--max-new-tokens", "6", "--json", "--device", "cpu")
     by_job = qerl_server.qerl("generate", cli_job.job_id, *args, timeout=300)
@@ -532,6 +534,13 @@ def test_generate_fetches_a_jobs_adapter_from_the_server(cli_job: CliJob, qerl_s
     assert [json.loads(line) for line in by_name.stdout.splitlines() if line.startswith("{")] == [row]
     unknown = qerl_server.qerl("generate", "ft:tiny:nobody:x:y", *args)
     assert unknown.returncode == 1 and "no fine-tuned model ft:tiny:nobody:x:y" in unknown.stderr
+    test = Path(qerl_server.env["QERL_CACHE_DIR"]) / "test.jsonl"  # `qerl eval` on rows like the training file's
+    test.write_bytes(jsonl(TRAIN_ROWS[:3]))
+    scored = qerl_server.qerl("eval", cli_job.job_id, "--file", str(test), "--json", "--device", "cpu", timeout=300)
+    assert scored.returncode == 0, scored.stderr
+    got = json.loads(scored.stdout.splitlines()[-1])
+    assert (got["rows"], got["grader"], got["adapter"]) == (3, "similarity", str(cached))  # the job's own grader
+    assert {"accuracy", "reward_mean"} <= set(got["fine_tuned"]) and set(got["base"]) == set(got["fine_tuned"])
     out = Path(qerl_server.env["QERL_CACHE_DIR"]) / "by-name"
     by_model = qerl_server.qerl("adapters", "download", cli_job.job["fine_tuned_model"], "-o", str(out))
     assert by_model.returncode == 0 and f"adapter {adapter_id} " in by_model.stdout, by_model.stderr

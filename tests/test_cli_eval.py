@@ -1,0 +1,117 @@
+"""`qerl eval`: a trained adapter scored on a test file, beside its base alone. On the held-out rows
+of a real training run it must give exactly the run's own held-out evaluation: the adapter's
+numbers those of the final evaluation, the base's those of the evaluation at step 0 (when the
+LoRA's B is zero); and its rows are checked before any model loads."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from engine.metrics import mean
+from qerl.cli import app
+
+GRADER = {"type": "text_similarity", "name": "similar", "input": "{{sample.output_text}}",
+          "reference": "{{item.answer}}", "evaluation_metric": "fuzzy_match"}
+METRICS = ("accuracy", "reward_mean", "reward_std", "completion_len_mean", "truncated_frac", "reward/similar")
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model_dir, tmp_path_factory):
+    """(adapter dir, the run's result, its held-out rows as a JSONL file): 4 steps on the tiny
+    model with 4 prompts held out, graded by text similarity to a fixed answer."""
+    from engine import NullReporter, train
+    from engine.data import load_examples
+    from engine.spec import TrainSpec
+
+    root = tmp_path_factory.mktemp("eval")
+    rows = root / "train.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"Say e {i}", "answer": "e e e e"}) + "\n" for i in range(16)))
+    spec = TrainSpec.from_dict({
+        "model": "tiny", "quantization": "nvfp4", "device": "cpu", "seed": 3, "grader": GRADER,
+        "data": {"train_file": str(rows), "eval_size": 4, "max_prompt_tokens": 256},
+        "lora": {"r": 4}, "rollout": {"num_generations": 4, "max_new_tokens": 8},
+        "rl": {"mask_truncated": False}, "optim": {"lr": 5e-2, "warmup_ratio": 0.0},
+        "steps": 4, "prompts_per_step": 2, "micro_batch_size": 4, "checkpoint_interval": 0})
+    result = train(spec, workdir=root / "run", reporter=NullReporter(), should_stop=lambda: False)
+    _, held_out = load_examples(spec.data, spec.seed)
+    test = root / "held_out.jsonl"
+    test.write_text("".join(json.dumps(ex.item) + "\n" for ex in held_out))
+    return result.adapter_dir, result, test
+
+
+def _flat(output: str) -> str:
+    """A message as said, without the box typer draws around it and its line breaks."""
+    return " ".join(output.replace("│", " ").split())
+
+
+def _eval(*args: str) -> dict:
+    run = CliRunner().invoke(app, ["eval", *args, "--device", "cpu", "--json"])
+    assert run.exit_code == 0, run.output
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_eval_on_the_held_out_rows_gives_the_runs_own_evaluation(trained, tmp_path):
+    adapter, result, test = trained
+    rows = tmp_path / "rows.jsonl"
+    got = _eval(str(adapter), "--file", str(test), "--output", str(rows))  # the grader from the manifest
+    assert got["rows"] == 4 and got["model"] == "tiny" and got["quantization"] == "nvfp4" and got["grader"] == "similar"
+    assert got["max_new_tokens"] == 8
+    for key in METRICS:
+        assert got["fine_tuned"][key] == pytest.approx(result.metrics[f"eval/{key}"], abs=1e-9), key
+        assert got["base"][key] == pytest.approx(result.metrics[f"eval_initial/{key}"], abs=1e-9), key
+    assert got["fine_tuned"]["reward_mean"] != got["base"]["reward_mean"]  # training moved it
+    per_row = [json.loads(line) for line in rows.read_text().splitlines()]
+    assert [r["line"] for r in per_row] == [1, 2, 3, 4]
+    assert mean(r["reward"] for r in per_row) == pytest.approx(got["fine_tuned"]["reward_mean"])
+    assert mean(r["base_reward"] for r in per_row) == pytest.approx(got["base"]["reward_mean"])
+    assert all(r["messages"][-1]["content"].startswith("Say e ") and len(r["messages"]) > 1 for r in per_row)  # framed
+
+    exact = dict(GRADER, type="string_check", operation="eq", name="exact")  # another grader, given on the line
+    exact.pop("evaluation_metric")
+    (tmp_path / "exact.json").write_text(json.dumps(exact))
+    strict = _eval(str(adapter), "--file", str(test), "--grader", str(tmp_path / "exact.json"), "--limit", "2",
+                   "--no-compare")
+    assert strict["rows"] == 2 and strict["grader"] == "exact" and strict["base"] is None
+    want = [float(r["completion"] == "e e e e") for r in per_row[:2]]
+    assert strict["fine_tuned"]["reward_mean"] == pytest.approx(mean(want))
+
+    shown = CliRunner().invoke(app, ["eval", str(adapter), "--file", str(test), "--device", "cpu"])
+    assert shown.exit_code == 0, shown.output
+    assert "accuracy" in shown.stdout and "base alone" in shown.stdout and "graded by similar" in shown.stdout
+
+
+def test_eval_checks_its_input_before_a_model_loads(trained, tmp_path, monkeypatch):
+    import engine.model
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the input was checked")
+
+    monkeypatch.setattr(engine.model, "load_model", no_model)
+    adapter, _, _ = trained
+    runner = CliRunner()
+    typo = tmp_path / "typo.jsonl"
+    typo.write_text('{"prompt": "a", "answer": "e"}\n{"prompt": "b", "answr": "e"}\n')
+    missing = runner.invoke(app, ["eval", str(adapter), "--file", str(typo), "--device", "cpu"])
+    assert missing.exit_code == 2, missing.output
+    assert "item.answer is in 1 of 2 rows (the first without it: line 2)" in _flat(missing.output), missing.output
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "answer": "e"}\n{"text": "b"}\n')
+    bad_line = runner.invoke(app, ["eval", str(adapter), "--file", str(bad), "--device", "cpu"])
+    assert bad_line.exit_code == 2 and "line 2: missing 'prompt' or 'messages'" in _flat(bad_line.output)
+    (tmp_path / "g.json").write_text(json.dumps({"type": "string_check", "input": "{{sample.output_text}}",
+                                                 "reference": "x", "operation": "nope"}))
+    bad_grader = runner.invoke(app, ["eval", str(adapter), "--file", str(typo), "--grader", str(tmp_path / "g.json")])
+    assert bad_grader.exit_code == 2 and "grader.operation" in _flat(bad_grader.output)
+
+    bare = tmp_path / "bare"  # an adapter whose manifest records no grader
+    bare.mkdir()
+    for f in Path(adapter).iterdir():
+        (bare / f.name).write_bytes(f.read_bytes())
+    manifest = json.loads((bare / "qerl_manifest.json").read_text())
+    del manifest["grader"]
+    (bare / "qerl_manifest.json").write_text(json.dumps(manifest))
+    no_grader = runner.invoke(app, ["eval", str(bare), "--file", str(typo), "--device", "cpu"])
+    assert no_grader.exit_code == 2 and "records no grader" in _flat(no_grader.output)
