@@ -24,11 +24,11 @@ stage() {
   echo "=== $name (rc $?, t=${SECONDS}s)"; grep -v '^{' "$OUT/$name.log" | grep -v '^   ' | tail -25
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/smi.txt" 2>&1
-# With the service's packages importable the job through the embedded service and `qerl generate`
+# With the service's packages importable the job through the embedded service, `qerl eval` and `qerl generate`
 # on the GPU run too (they need tests/conftest.py, which imports them); without them the conftest is
 # left out.
 svc=$(python3 -c "import fastapi, sqlalchemy, celery" 2>/dev/null \
-  && echo tests/test_gpu_service.py tests/test_cli_generate.py::test_generate_on_the_gpu_matches_the_cpu \
+  && echo tests/test_gpu_service.py tests/test_cli_eval.py tests/test_cli_generate.py::test_generate_on_the_gpu_matches_the_cpu \
   || echo --noconftest)
 stage tests 180 python3 -m pytest $svc tests/test_gpu_path.py tests/test_rollout_cuda_graph.py tests/test_kernels_gpu.py \
   tests/test_fused_decode_gpu.py tests/test_decode_attention_gpu.py \

@@ -1,13 +1,15 @@
 """`qerl eval`: a trained adapter scored on a test file, beside its base alone. On the held-out rows
 of a real training run it must give exactly the run's own held-out evaluation: the adapter's
 numbers those of the final evaluation, the base's those of the evaluation at step 0 (when the
-LoRA's B is zero); and its rows are checked before any model loads."""
+LoRA's B is zero), on the CPU and (skipped without one) on a GPU, where both run the CUDA-graph
+engine; and its rows are checked before any model loads."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from engine.metrics import mean
@@ -18,10 +20,11 @@ GRADER = {"type": "text_similarity", "name": "similar", "input": "{{sample.outpu
 METRICS = ("accuracy", "reward_mean", "reward_std", "completion_len_mean", "truncated_frac", "reward/similar")
 
 
-@pytest.fixture(scope="module")
-def trained(tiny_model_dir, tmp_path_factory):
-    """(adapter dir, the run's result, its held-out rows as a JSONL file): 4 steps on the tiny
-    model with 4 prompts held out, graded by text similarity to a fixed answer."""
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def trained(request, tiny_model_dir, tmp_path_factory):
+    """(adapter dir, the run's result, its held-out rows as a JSONL file, the device): 4 steps on
+    the tiny model with 4 prompts held out, graded by text similarity to a fixed answer."""
     from engine import NullReporter, train
     from engine.data import load_examples
     from engine.spec import TrainSpec
@@ -30,16 +33,16 @@ def trained(tiny_model_dir, tmp_path_factory):
     rows = root / "train.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"Say e {i}", "answer": "e e e e"}) + "\n" for i in range(16)))
     spec = TrainSpec.from_dict({
-        "model": "tiny", "quantization": "nvfp4", "device": "cpu", "seed": 3, "grader": GRADER,
+        "model": "tiny", "quantization": "nvfp4", "device": request.param, "seed": 3, "grader": GRADER,
         "data": {"train_file": str(rows), "eval_size": 4, "max_prompt_tokens": 256},
         "lora": {"r": 4}, "rollout": {"num_generations": 4, "max_new_tokens": 8},
         "rl": {"mask_truncated": False}, "optim": {"lr": 5e-2, "warmup_ratio": 0.0},
         "steps": 4, "prompts_per_step": 2, "micro_batch_size": 4, "checkpoint_interval": 0})
-    result = train(spec, workdir=root / "run", reporter=NullReporter(), should_stop=lambda: False)
+    result = train(spec, workdir=root / f"run-{request.param}", reporter=NullReporter(), should_stop=lambda: False)
     _, held_out = load_examples(spec.data, spec.seed)
     test = root / "held_out.jsonl"
     test.write_text("".join(json.dumps(ex.item) + "\n" for ex in held_out))
-    return result.adapter_dir, result, test
+    return result.adapter_dir, result, test, request.param
 
 
 def _flat(output: str) -> str:
@@ -47,16 +50,16 @@ def _flat(output: str) -> str:
     return " ".join(output.replace("│", " ").split())
 
 
-def _eval(*args: str) -> dict:
-    run = CliRunner().invoke(app, ["eval", *args, "--device", "cpu", "--json"])
+def _eval(*args: str, device: str = "cpu") -> dict:
+    run = CliRunner().invoke(app, ["eval", *args, "--device", device, "--json"])
     assert run.exit_code == 0, run.output
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def test_eval_on_the_held_out_rows_gives_the_runs_own_evaluation(trained, tmp_path):
-    adapter, result, test = trained
+    adapter, result, test, device = trained
     rows = tmp_path / "rows.jsonl"
-    got = _eval(str(adapter), "--file", str(test), "--output", str(rows))  # the grader from the manifest
+    got = _eval(str(adapter), "--file", str(test), "--output", str(rows), device=device)  # the grader from the manifest
     assert got["rows"] == 4 and got["model"] == "tiny" and got["quantization"] == "nvfp4" and got["grader"] == "similar"
     assert got["max_new_tokens"] == 8
     for key in METRICS:
@@ -73,12 +76,12 @@ def test_eval_on_the_held_out_rows_gives_the_runs_own_evaluation(trained, tmp_pa
     exact.pop("evaluation_metric")
     (tmp_path / "exact.json").write_text(json.dumps(exact))
     strict = _eval(str(adapter), "--file", str(test), "--grader", str(tmp_path / "exact.json"), "--limit", "2",
-                   "--no-compare")
+                   "--no-compare", device=device)
     assert strict["rows"] == 2 and strict["grader"] == "exact" and strict["base"] is None
     want = [float(r["completion"] == "e e e e") for r in per_row[:2]]
     assert strict["fine_tuned"]["reward_mean"] == pytest.approx(mean(want))
 
-    shown = CliRunner().invoke(app, ["eval", str(adapter), "--file", str(test), "--device", "cpu"])
+    shown = CliRunner().invoke(app, ["eval", str(adapter), "--file", str(test), "--device", device])
     assert shown.exit_code == 0, shown.output
     assert "accuracy" in shown.stdout and "base alone" in shown.stdout and "graded by similar" in shown.stdout
 
@@ -90,7 +93,9 @@ def test_eval_checks_its_input_before_a_model_loads(trained, tmp_path, monkeypat
         raise AssertionError("the model was loaded before the input was checked")
 
     monkeypatch.setattr(engine.model, "load_model", no_model)
-    adapter, _, _ = trained
+    adapter, _, _, device = trained
+    if device != "cpu":
+        pytest.skip("checked once, on the CPU run's adapter")
     runner = CliRunner()
     typo = tmp_path / "typo.jsonl"
     typo.write_text('{"prompt": "a", "answer": "e"}\n{"prompt": "b", "answr": "e"}\n')
