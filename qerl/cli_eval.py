@@ -20,7 +20,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from qerl.cli_client import ApiKey, BaseUrl, _errors_as_messages
-from qerl.cli_generate import adapter_manifest, framed_chat, load_adapted, read_rows, resolve_adapter
+from qerl.cli_generate import (AdapterRef, Base, Device, Framing, Quantization, System, adapter_manifest, framed_chat,
+                                load_adapted, read_rows, resolve_adapter)
 from qerl.jobbody import load_spec
 from qerl.term import rule, stdout_console
 
@@ -66,9 +67,7 @@ def _show(rows: list[dict[str, Any]], title: str) -> None:
 
 @_errors_as_messages
 def eval_cmd(
-    adapter_ref: Annotated[str, typer.Argument(
-        metavar="ADAPTER", help="an adapter directory (qerl adapters download, qerl train), or from the server: "
-        "a job id (ftjob-...), an adapter id or a fine-tuned model (ft:...)")],
+    adapter_ref: AdapterRef,
     file: Annotated[Path, typer.Option(
         "--file", "-f", exists=True, dir_okay=False,
         help="the test rows as JSON lines, as a training file: {\"prompt\": ...} or {\"messages\": [...]} "
@@ -76,21 +75,17 @@ def eval_cmd(
     grader: Annotated[Optional[str], typer.Option(
         help="the grader as a JSON or YAML file (default: the one the adapter trained with, from its manifest)")] = None,
     limit: Annotated[Optional[int], typer.Option(min=1, help="score the first N rows only")] = None,
-    system: Annotated[Optional[str], typer.Option(
-        help="a system message before each prompt (in place of the one training used)")] = None,
-    framing: Annotated[bool, typer.Option(
-        help="ask plain prompts as training asked its questions: after its format instruction and "
-        "worked example, from the adapter's manifest (--no-framing: as given)")] = True,
-    base: Annotated[Optional[str], typer.Option(help="the base model (default: the adapter's manifest)")] = None,
-    quantization: Annotated[Optional[str], typer.Option(
-        help="nvfp4 | nf4 | bf16 (default: what the adapter trained on)")] = None,
+    system: System = None,
+    framing: Framing = True,
+    base: Base = None,
+    quantization: Quantization = None,
     max_new_tokens: Annotated[Optional[int], typer.Option(
         min=1, max=32768, help="the longest answer (default: the rollouts' limit in training)")] = None,
     checkpoint: Annotated[Optional[int], typer.Option(
         help="from the server: the LoRA at this checkpoint step of the job instead of its final adapter")] = None,
     compare: Annotated[bool, typer.Option(help="also score the base model alone")] = True,
     show: Annotated[int, typer.Option(min=0, help="print this many answers that improved most (and got worse)")] = 3,
-    device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = "auto",
+    device: Device = "auto",
     output: Annotated[Optional[Path], typer.Option(
         dir_okay=False, help="write every row's answers and rewards here, as JSON lines")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="the scores as one JSON object")] = False,

@@ -26,6 +26,18 @@ console = stdout_console()
 
 
 SERVER_REFS = ("ftjob-", "adapter-", "ft:")
+# the options generate and eval share: which adapter, on which base, asked how
+AdapterRef = Annotated[str, typer.Argument(
+    metavar="ADAPTER", help="an adapter directory (qerl adapters download, qerl train), or from the server: "
+    "a job id (ftjob-...), an adapter id or a fine-tuned model (ft:...)")]
+System = Annotated[Optional[str], typer.Option(
+    help="a system message before each prompt (in place of the one training used)")]
+Framing = Annotated[bool, typer.Option(
+    help="ask plain prompts as training asked its questions: after its format instruction and "
+    "worked example, from the adapter's manifest (--no-framing: as given)")]
+Base = Annotated[Optional[str], typer.Option(help="the base model (default: the adapter's manifest)")]
+Quantization = Annotated[Optional[str], typer.Option(help="nvfp4 | nf4 | bf16 (default: what the adapter trained on)")]
+Device = Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")]
 _CHECKPOINT_NAME = re.compile(r"^(ft:.+):ckpt-step-(\d+)$")  # a checkpoint's fine_tuned_model_checkpoint
 
 
@@ -155,20 +167,14 @@ def _prompts(prompt: list[str], prompts_file: Path | None, system: str | None,
 
 @_errors_as_messages
 def generate_cmd(
-    adapter_ref: Annotated[str, typer.Argument(
-        metavar="ADAPTER", help="an adapter directory (qerl adapters download, qerl train), or from the server: "
-        "a job id (ftjob-...), an adapter id or a fine-tuned model (ft:...)")],
+    adapter_ref: AdapterRef,
     prompt: Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="a user message (repeatable)")] = None,
     prompts_file: Annotated[Optional[Path], typer.Option(
         help="JSON lines: {\"messages\": [...]} or {\"prompt\": \"...\"}", exists=True, dir_okay=False)] = None,
-    system: Annotated[Optional[str], typer.Option(
-        help="a system message before each prompt (in place of the one training used)")] = None,
-    framing: Annotated[bool, typer.Option(
-        help="ask plain prompts as training asked its questions: after its format instruction and "
-        "worked example, from the adapter's manifest (--no-framing: as given)")] = True,
-    base: Annotated[Optional[str], typer.Option(help="the base model (default: the adapter's manifest)")] = None,
-    quantization: Annotated[Optional[str], typer.Option(
-        help="nvfp4 | nf4 | bf16 (default: what the adapter trained on)")] = None,
+    system: System = None,
+    framing: Framing = True,
+    base: Base = None,
+    quantization: Quantization = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, max=32768)] = 256,
     temperature: Annotated[float, typer.Option(min=0.0, max=100.0, help="0: greedy")] = 0.0,
     top_p: Annotated[float, typer.Option(min=0.0, max=1.0)] = 1.0,
@@ -177,7 +183,7 @@ def generate_cmd(
         help="from the server: the LoRA at this checkpoint step of the job (or of the job that made the "
         "fine-tuned model) instead of its final adapter; a checkpoint's name ft:...:ckpt-step-N says the same")] = None,
     compare: Annotated[bool, typer.Option(help="also answer with the base model alone")] = True,
-    device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = "auto",
+    device: Device = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="JSON lines, one per prompt")] = False,
     base_url: BaseUrl = None,
     api_key: ApiKey = None,
