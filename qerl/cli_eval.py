@@ -20,8 +20,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from qerl.cli_client import ApiKey, BaseUrl, _errors_as_messages
-from qerl.cli_generate import (AdapterRef, Base, Device, Framing, Quantization, System, adapter_manifest, framed_chat,
-                                load_adapted, read_rows, resolve_adapter)
+from qerl.cli_generate import (SERVER_REFS, Base, Device, Framing, Quantization, System, _adapter_facts,
+                                adapter_manifest, framed_chat, load_adapted, read_rows, resolve_adapter)
 from qerl.jobbody import load_spec
 from qerl.term import rule, stdout_console
 
@@ -29,26 +29,36 @@ console = stdout_console()
 SHOWN_CHARS = 200
 
 
-def _grader_config(grader: str | None, manifest: dict[str, Any], adapter: Path) -> dict[str, Any]:
+def _grader_config(grader: str | None, manifests: list[dict[str, Any]], refs: list[str]) -> dict[str, Any]:
+    """--grader, or the grader the adapters trained with (the same for all of them)."""
     if grader is not None:
         return load_spec(grader, 'a grader such as {"type": "string_check", "input": "{{sample.output_text}}", ...}')
-    recorded = manifest.get("grader")
-    if not isinstance(recorded, dict):
-        raise typer.BadParameter(f"the manifest in {adapter} records no grader (adapters trained before qerl recorded "
-                                 "it); give the job's grader as a JSON or YAML file", param_hint="--grader")
-    return recorded
+    recorded = [m.get("grader") for m in manifests]
+    if not all(isinstance(g, dict) for g in recorded):
+        ref = refs[next(i for i, g in enumerate(recorded) if not isinstance(g, dict))]
+        raise typer.BadParameter(f"the manifest of {ref} records no grader (adapters trained before qerl recorded it); "
+                                 "give the job's grader as a JSON or YAML file", param_hint="--grader")
+    if any(g != recorded[0] for g in recorded):
+        raise typer.BadParameter(f"the adapters trained with different graders ({', '.join(refs)}); give the one to "
+                                 "score them all with", param_hint="--grader")
+    return recorded[0]
 
 
-def _table(tuned: dict[str, float], alone: dict[str, float] | None) -> Table:
-    keys = ["eval/accuracy", "eval/reward_mean", *sorted(k for k in tuned if k.startswith("eval/reward/")),
+def _table(columns: list[tuple[str, dict[str, float]]], alone: dict[str, float] | None) -> Table:
+    """The metrics per adapter, and the base alone's; with one adapter, the change it makes."""
+    first = columns[0][1]
+    keys = ["eval/accuracy", "eval/reward_mean", *sorted(k for k in first if k.startswith("eval/reward/")),
             "eval/completion_len_mean", "eval/truncated_frac"]
-    table = Table("metric", "fine-tuned", *(["base alone", "change"] if alone is not None else []))
+    change = alone is not None and len(columns) == 1
+    table = Table("metric", *(name for name, _ in columns), *(["base alone"] if alone is not None else []),
+                  *(["change"] if change else []))
     for k in keys:
-        name = k.removeprefix("eval/").replace("reward/", "reward: ")
-        cells = [f"{tuned[k]:.3f}"]
+        cells = [f"{m[k]:.3f}" for _, m in columns]
         if alone is not None:
-            cells += [f"{alone[k]:.3f}", f"{tuned[k] - alone[k]:+.3f}"]
-        table.add_row(name, *cells)
+            cells.append(f"{alone[k]:.3f}")
+        if change and alone is not None:
+            cells.append(f"{first[k] - alone[k]:+.3f}")
+        table.add_row(k.removeprefix("eval/").replace("reward/", "reward: "), *cells)
     return table
 
 
@@ -67,13 +77,17 @@ def _show(rows: list[dict[str, Any]], title: str) -> None:
 
 @_errors_as_messages
 def eval_cmd(
-    adapter_ref: AdapterRef,
+    adapter_refs: Annotated[Optional[list[str]], typer.Argument(
+        metavar="ADAPTER...", help="one or more adapters: a directory (qerl adapters download, qerl train), or from "
+        "the server a job id (ftjob-...), an adapter id or a fine-tuned model (ft:...)")] = None,
     file: Annotated[Path, typer.Option(
         "--file", "-f", exists=True, dir_okay=False,
         help="the test rows as JSON lines, as a training file: {\"prompt\": ...} or {\"messages\": [...]} "
-        "plus the fields the grader reads")],
+        "plus the fields the grader reads")] = ...,  # type: ignore[assignment]
+    sweep: Annotated[Optional[str], typer.Option(
+        help="also every succeeded job of this sweep (qerl jobs create --sweep), oldest first")] = None,
     grader: Annotated[Optional[str], typer.Option(
-        help="the grader as a JSON or YAML file (default: the one the adapter trained with, from its manifest)")] = None,
+        help="the grader as a JSON or YAML file (default: the one the adapters trained with, from their manifests)")] = None,
     limit: Annotated[Optional[int], typer.Option(min=1, help="score the first N rows only")] = None,
     system: System = None,
     framing: Framing = True,
@@ -84,91 +98,192 @@ def eval_cmd(
     checkpoint: Annotated[Optional[int], typer.Option(
         help="from the server: the LoRA at this checkpoint step of the job instead of its final adapter")] = None,
     compare: Annotated[bool, typer.Option(help="also score the base model alone")] = True,
-    show: Annotated[int, typer.Option(min=0, help="print this many answers that improved most (and got worse)")] = 3,
+    show: Annotated[int, typer.Option(min=0, help="print this many answers that improved most (and got worse), "
+                                                   "for one adapter")] = 3,
     device: Device = "auto",
     output: Annotated[Optional[Path], typer.Option(
         dir_okay=False, help="write every row's answers and rewards here, as JSON lines")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="the scores as one JSON object")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="the scores as JSON, a line per adapter")] = False,
     base_url: BaseUrl = None,
     api_key: ApiKey = None,
 ) -> None:
-    """Score a fine-tuned adapter on a test file with a grader (greedy), beside the base alone."""
-    from engine.data.load import Example
-    from engine.evaluate import examples_problem, grade, greedy_completions, metrics_of
-    from engine.lora import lora_disabled
+    """Score fine-tuned adapters on a test file with a grader (greedy), beside their base alone."""
     from engine.rewards import build_grader
     from engine.rollout.params import SamplingParams
-    from engine.train_batch import apply_chat_template
-    from engine.types import TrainError
 
-    adapter = resolve_adapter(adapter_ref, checkpoint, base_url, api_key)
-    manifest = adapter_manifest(adapter)
+    refs = _refs(adapter_refs or [], sweep, base_url, api_key)
+    if checkpoint is not None and len(refs) > 1:
+        raise typer.BadParameter("--checkpoint picks a checkpoint of one job: give one ADAPTER", param_hint="--checkpoint")
+    adapters = [resolve_adapter(ref, checkpoint, base_url, api_key) for ref in refs]
+    manifests = [adapter_manifest(a) for a in adapters]
+    _same_base(refs, adapters, base, quantization)
     try:
-        scorer = build_grader(_grader_config(grader, manifest, adapter))
+        scorer = build_grader(_grader_config(grader, manifests, refs))
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--grader") from None
-    trained_framing = manifest.get("prompt_framing") if framing else []
-    trained_framing = [m for m in trained_framing if isinstance(m, dict)] if isinstance(trained_framing, list) else []
     rows = read_rows(file, "--file")[:limit]
-    examples = [Example(framed_chat(row, system, trained_framing), row, line) for line, row in rows]
-    problem = examples_problem(scorer, examples, str(file))
-    if problem:
-        raise typer.BadParameter(problem, param_hint="--file")
-    rollout = manifest.get("rollout") if isinstance(manifest.get("rollout"), dict) else {}
+    rollout = manifests[0].get("rollout") if isinstance(manifests[0].get("rollout"), dict) else {}
     params = SamplingParams(max_new_tokens=max_new_tokens or int(rollout.get("max_new_tokens") or 256))
     max_batch = int(rollout.get("max_batch") or 64)
+    asks = [_examples(rows, m, system, framing) for m in manifests]
+    problem = _examples_problem(scorer, asks[0], file)
+    if problem:
+        raise typer.BadParameter(problem, param_hint="--file")
+
+    results: list[dict[str, Any]] = []
+    alone: _Scored | None = None
+    for ref, adapter, examples in zip(refs, adapters, asks):
+        scored, alone_here, facts = _score_adapter(adapter, examples, scorer, params, max_batch, base=base,
+                                                   quantization=quantization, device=device,
+                                                   with_base=compare and alone is None)
+        alone = alone or alone_here
+        results.append({"ref": ref, "adapter": adapter, "examples": examples, "scored": scored, **facts})
+    if output is not None:
+        output.write_text("".join(json.dumps(r) + "\n" for res in results
+                                  for r in _rows(res["ref"], res["examples"], res["scored"], alone)))
+    if as_json:
+        for res in results:
+            print(json.dumps({"adapter": str(res["adapter"]), "ref": res["ref"], "model": res["model"],
+                              "quantization": res["quantization"], "file": str(file), "rows": len(rows),
+                              "max_new_tokens": params.max_new_tokens, "grader": scorer.name,
+                              "fine_tuned": _plain(res["scored"].metrics),
+                              "base": _plain(alone.metrics) if alone is not None else None}), flush=True)
+        return
+    console.print(_table([(_short(r["ref"]) if len(results) > 1 else "fine-tuned", r["scored"].metrics) for r in results],
+                         alone.metrics if alone is not None else None))
+    if alone is not None and show and len(results) == 1:
+        per_row = _rows(refs[0], results[0]["examples"], results[0]["scored"], alone)
+        changed = sorted((r for r in per_row if r["reward"] != r["base_reward"]),
+                         key=lambda r: r["base_reward"] - r["reward"])  # most improved first
+        _show([r for r in changed if r["reward"] > r["base_reward"]][:show], "improved most with the adapter")
+        _show([r for r in reversed(changed) if r["reward"] < r["base_reward"]][:show], "worse with the adapter")
+    first = results[0]
+    where = f"the adapter in {first['adapter']}" if len(results) == 1 else f"{len(results)} adapters"
+    console.print(f"[dim]{len(rows)} rows of {escape(str(file))}, greedy, at most {params.max_new_tokens} new "
+                  f"tokens; {escape(first['model'])} ({first['quantization']}) with {escape(where)}, on "
+                  f"{first['device']}; graded by {escape(str(scorer.name))}[/]")
+    if output is not None:
+        console.print(f"[dim]every row's answers and rewards: {escape(str(output))}[/]")
+
+
+class _Scored:
+    """An adapter's (or the base's) greedy completions of the test rows, graded."""
+
+    def __init__(self, completions: list[Any], scores: list[float], parts: list[dict[str, float]],
+                 metrics: dict[str, float]) -> None:
+        self.completions, self.scores, self.parts, self.metrics = completions, scores, parts, metrics
+
+
+def _refs(given: list[str], sweep: str | None, base_url: str | None, api_key: str | None) -> list[str]:
+    """The adapters named, then the succeeded jobs of ``sweep`` not among them (oldest first)."""
+    from qerl.client import Client
+
+    refs = list(dict.fromkeys(given))
+    if sweep is not None:
+        with Client(base_url=base_url, api_key=api_key) as client:
+            jobs = list(reversed(client.all_jobs({"sweep": sweep})))
+        done = [j["id"] for j in jobs if j["status"] == "succeeded" and j["id"] not in refs]
+        if not done:
+            raise typer.BadParameter(f"sweep {sweep} has no succeeded job yet ({len(jobs)} job(s): qerl jobs list "
+                                     f"--metadata sweep={sweep})", param_hint="--sweep")
+        refs += done
+    if not refs:
+        raise typer.BadParameter("give an ADAPTER (a directory, job id, adapter id or ft: model) or --sweep ID",
+                                 param_hint="ADAPTER")
+    return refs
+
+
+def _same_base(refs: list[str], adapters: list[Path], base: str | None, quantization: str | None) -> None:
+    """Adapters scored side by side share the base and format they are held in (the base alone is one)."""
+    held = {(base or b, quantization or q) for b, q, _ in (_adapter_facts(a) for a in adapters)}
+    if len(held) > 1:
+        said = "; ".join(f"{ref}: {b} ({q})" for ref, (b, q, _) in zip(refs, (_adapter_facts(a) for a in adapters)))
+        raise typer.BadParameter(f"the adapters train different bases or formats ({said}); score them one base at "
+                                 "a time", param_hint="ADAPTER")
+
+
+def _examples(rows: list[tuple[int, dict[str, Any]]], manifest: dict[str, Any], system: str | None,
+              framing: bool) -> list[Any]:
+    """The test rows as one adapter's training asked its questions (its manifest's prompt framing)."""
+    from engine.data.load import Example
+
+    turns = manifest.get("prompt_framing") if framing else []
+    turns = [m for m in turns if isinstance(m, dict)] if isinstance(turns, list) else []
+    return [Example(framed_chat(row, system, turns), row, line) for line, row in rows]
+
+
+def _examples_problem(scorer: Any, examples: list[Any], file: Path) -> str | None:
+    from engine.evaluate import examples_problem
+
+    return examples_problem(scorer, examples, str(file))
+
+
+def _score_adapter(adapter: Path, examples: list[Any], scorer: Any, params: Any, max_batch: int, *,
+                   base: str | None, quantization: str | None, device: str,
+                   with_base: bool) -> tuple[_Scored, _Scored | None, dict[str, Any]]:
+    """The adapter's graded completions, the base alone's too where ``with_base``, and where it ran;
+    the model is released before the next adapter loads."""
+    import gc
+
+    import torch
+
+    from engine.lora import lora_disabled
+    from engine.train_batch import apply_chat_template
 
     model, tokenizer, base_model, fmt, dev = load_adapted(adapter, base, quantization, device)
     ids = [apply_chat_template(tokenizer, ex.messages) for ex in examples]
     items = [ex.item for ex in examples]
 
-    def score() -> tuple[list[Any], list[float], list[dict[str, float]], dict[str, float]]:
-        completions = greedy_completions(model, tokenizer, ids, params, max_batch=max_batch)
-        assert completions is not None  # nothing asks it to stop
-        try:
-            scores, parts, correct = grade(scorer, completions, items)
-        except TrainError as exc:
-            console.print(f"[red]{exc.code}: {escape(str(exc))}[/]")
-            raise typer.Exit(2) from None
-        return completions, scores, parts, metrics_of(completions, scores, parts, correct)
-
-    tuned, tuned_scores, tuned_parts, tuned_metrics = score()
-    alone = alone_scores = alone_metrics = None
-    if compare:
+    tuned = _score(model, tokenizer, ids, items, scorer, params, max_batch)
+    alone = None
+    if with_base:
         with lora_disabled(model):
-            alone, alone_scores, _, alone_metrics = score()
-    per_row = []
+            alone = _score(model, tokenizer, ids, items, scorer, params, max_batch)
+    del model
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return tuned, alone, {"model": base_model, "quantization": fmt, "device": str(dev)}
+
+
+def _score(model: Any, tokenizer: Any, ids: list[list[int]], items: list[dict[str, Any]], scorer: Any, params: Any,
+           max_batch: int) -> _Scored:
+    from engine.evaluate import grade, greedy_completions, metrics_of
+    from engine.types import TrainError
+
+    completions = greedy_completions(model, tokenizer, ids, params, max_batch=max_batch)
+    assert completions is not None  # nothing asks it to stop
+    try:
+        scores, parts, correct = grade(scorer, completions, items)
+    except TrainError as exc:
+        console.print(f"[red]{exc.code}: {escape(str(exc))}[/]")
+        raise typer.Exit(2) from None
+    return _Scored(completions, scores, parts, metrics_of(completions, scores, parts, correct))
+
+
+def _rows(ref: str, examples: list[Any], tuned: _Scored, alone: _Scored | None) -> list[dict[str, Any]]:
+    """Each test row's answer and reward with the adapter (and the base alone's)."""
+    out = []
     for i, ex in enumerate(examples):
-        r: dict[str, Any] = {"line": ex.line, "messages": ex.messages, "completion": tuned[i].text,
-                             "reward": tuned_scores[i], "scores": tuned_parts[i],
-                             "finish_reason": tuned[i].finish_reason, "tokens": len(tuned[i].token_ids)}
-        if alone is not None and alone_scores is not None:
-            r.update(base_completion=alone[i].text, base_reward=alone_scores[i],
-                     base_finish_reason=alone[i].finish_reason, base_tokens=len(alone[i].token_ids))
-        per_row.append(r)
-    if output is not None:
-        output.write_text("".join(json.dumps(r) + "\n" for r in per_row))
+        c = tuned.completions[i]
+        r: dict[str, Any] = {"adapter": ref, "line": ex.line, "messages": ex.messages, "completion": c.text,
+                             "reward": tuned.scores[i], "scores": tuned.parts[i], "finish_reason": c.finish_reason,
+                             "tokens": len(c.token_ids)}
+        if alone is not None:
+            b = alone.completions[i]
+            r.update(base_completion=b.text, base_reward=alone.scores[i], base_finish_reason=b.finish_reason,
+                     base_tokens=len(b.token_ids))
+        out.append(r)
+    return out
 
-    def plain(m: dict[str, float] | None) -> dict[str, float] | None:
-        return {k.removeprefix("eval/"): v for k, v in m.items()} if m is not None else None
 
-    summary = {"adapter": str(adapter), "model": base_model, "quantization": fmt, "file": str(file),
-               "rows": len(examples), "max_new_tokens": params.max_new_tokens, "grader": scorer.name,
-               "fine_tuned": plain(tuned_metrics), "base": plain(alone_metrics)}
-    if as_json:
-        print(json.dumps(summary), flush=True)
-        return
-    console.print(_table(tuned_metrics, alone_metrics))
-    if alone is not None and show:
-        changed = sorted((r for r in per_row if r["reward"] != r["base_reward"]),
-                         key=lambda r: r["base_reward"] - r["reward"])  # most improved first
-        _show([r for r in changed if r["reward"] > r["base_reward"]][:show], "improved most with the adapter")
-        _show([r for r in reversed(changed) if r["reward"] < r["base_reward"]][:show], "worse with the adapter")
-    console.print(f"[dim]{len(examples)} rows of {escape(str(file))}, greedy, at most {params.max_new_tokens} new "
-                  f"tokens; {escape(base_model)} ({fmt}) with the adapter in {adapter}, on {dev}; "
-                  f"graded by {escape(str(scorer.name))}[/]")
-    if output is not None:
-        console.print(f"[dim]every row's answers and rewards: {escape(str(output))}[/]")
+def _short(ref: str) -> str:
+    """A column's name: the job, adapter or model as given, a directory by its last part."""
+    return ref if ref.startswith(SERVER_REFS) else Path(ref).name or ref
+
+
+def _plain(m: dict[str, float]) -> dict[str, float]:
+    return {k.removeprefix("eval/"): v for k, v in m.items()}
 
 
 def register(app: typer.Typer) -> None:

@@ -637,7 +637,7 @@ def test_compare_puts_jobs_side_by_side(side: tuple[Served, str]) -> None:
 def test_a_sweep_creates_a_job_per_value_or_none(side: tuple[Served, str], tmp_path: Path) -> None:
     """--sweep makes one job per value, tagged with the sweep, listed by it and named in the hint
     to compare them; a sweep whose second point the server refuses leaves no job to run (the first
-    is cancelled) and names the point and the field."""
+    is cancelled) and names the point and the field; `qerl eval --sweep` scores its adapters."""
     qerl_server, file_id = side
     (tmp_path / "job.yaml").write_text(JOB_SPEC_YAML)
     args = ("jobs", "create", str(tmp_path / "job.yaml"), "--training-file", file_id, "--steps", "1")
@@ -657,6 +657,15 @@ def test_a_sweep_creates_a_job_per_value_or_none(side: tuple[Served, str], tmp_p
     assert all(c["results"]["status"] == "succeeded" for c in compared.values())
     lone = qerl_server.qerl("jobs", "compare", "--sweep", "no-such-sweep")
     assert lone.returncode == 1 and "sweep no-such-sweep has 0 job(s)" in lone.stdout + lone.stderr
+    test = tmp_path / "test.jsonl"  # the sweep's adapters scored on test rows: as each alone, the base once
+    test.write_bytes(jsonl(TRAIN_ROWS[:2]))
+    scored = qerl_server.qerl("eval", "--sweep", "sweep-test-1", "--file", str(test), "--json", "--device", "cpu",
+                              timeout=300)
+    assert scored.returncode == 0, scored.stderr
+    lines = [json.loads(line) for line in scored.stdout.splitlines() if line.startswith("{")]
+    assert [x["ref"] for x in lines] == list(compared) and lines[0]["base"] == lines[1]["base"]
+    alone = qerl_server.qerl("eval", lines[1]["ref"], "--file", str(test), "--json", "--device", "cpu", timeout=300)
+    assert json.loads(alone.stdout.splitlines()[-1])["fine_tuned"] == lines[1]["fine_tuned"]
 
     # a sweep's jobs paused, resumed and cancelled together; the finished ones are left as they are
     long = ("jobs", "create", str(tmp_path / "job.yaml"), "--training-file", file_id, "--steps", "300",

@@ -120,3 +120,42 @@ def test_eval_checks_its_input_before_a_model_loads(trained, tmp_path, monkeypat
     (bare / "qerl_manifest.json").write_text(json.dumps(manifest))
     no_grader = runner.invoke(app, ["eval", str(bare), "--file", str(typo), "--device", "cpu"])
     assert no_grader.exit_code == 2 and "records no grader" in _flat(no_grader.output)
+
+
+def test_several_adapters_side_by_side(trained, tmp_path):
+    """Two adapters in one call score as each does alone, the base alone once; adapters trained with
+    different graders, or on different bases, are refused with the fix."""
+    adapter, _, test, device = trained
+    if device != "cpu":
+        pytest.skip("checked once, on the CPU run's adapter")
+    other = tmp_path / "other"  # the same LoRA scaled: another adapter on the same base
+    other.mkdir()
+    for f in Path(adapter).iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(other / "adapter_model.safetensors"))
+    save_file({k: v * 3 if "lora_B" in k else v for k, v in weights.items()}, str(other / "adapter_model.safetensors"))
+    rows = tmp_path / "rows.jsonl"
+    run = CliRunner().invoke(app, ["eval", str(adapter), str(other), "--file", str(test), "--device", "cpu", "--json",
+                                   "--output", str(rows)])
+    assert run.exit_code == 0, run.output
+    both = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert [b["ref"] for b in both] == [str(adapter), str(other)]
+    for b in both:
+        one = _eval(b["ref"], "--file", str(test))
+        assert (one["fine_tuned"], one["base"]) == (b["fine_tuned"], b["base"])
+    assert both[0]["fine_tuned"] != both[1]["fine_tuned"]
+    assert [json.loads(line)["adapter"] for line in rows.read_text().splitlines()] == [str(adapter)] * 4 + [str(other)] * 4
+    table = CliRunner().invoke(app, ["eval", str(adapter), str(other), "--file", str(test), "--device", "cpu"])
+    assert table.exit_code == 0 and "2 adapters" in _flat(table.stdout) and "base alone" in table.stdout
+
+    manifest = json.loads((other / "qerl_manifest.json").read_text())
+    (other / "qerl_manifest.json").write_text(json.dumps({**manifest, "grader": {**manifest["grader"], "name": "x"}}))
+    graders = CliRunner().invoke(app, ["eval", str(adapter), str(other), "--file", str(test), "--device", "cpu"])
+    assert graders.exit_code == 2 and "trained with different graders" in _flat(graders.output)
+    (other / "qerl_manifest.json").write_text(json.dumps({**manifest, "quantization": "bf16"}))
+    bases = CliRunner().invoke(app, ["eval", str(adapter), str(other), "--file", str(test), "--device", "cpu"])
+    assert bases.exit_code == 2 and "tiny (bf16)); score them one base at a time" in _flat(bases.output), bases.output
+    nothing = CliRunner().invoke(app, ["eval", "--file", str(test)])
+    assert nothing.exit_code == 2 and "give an ADAPTER" in _flat(nothing.output)
