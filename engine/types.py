@@ -9,6 +9,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 
+# what a step's event and watch line say of a step without an update (metric ``updates_skipped``:
+# dynamic sampling kept no group, every group's samples having scored alike)
+NO_UPDATE = "no update: every group's samples scored alike"
+
+
 class Reporter(Protocol):
     """Receives progress from ``engine.train``. The worker's reporter writes to the database
     and raises ``LeaseLost`` (from any method) when this worker no longer owns the job; the

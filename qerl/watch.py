@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
 
+from engine.types import NO_UPDATE
 from qerl.client import PAUSED, TERMINAL_STATES, Client, QerlError
 
 
@@ -43,6 +44,8 @@ def step_line(step: int, total: int | None, values: dict[str, Any]) -> str:
         text = _fmt(values, key, spec)
         if text is not None:
             parts.append(f"{text} {label}" if label in ("tok/s", "s") else f"{label} {text}")
+    if values.get("updates_skipped"):
+        parts.append(NO_UPDATE)
     return "  ".join(parts)
 
 

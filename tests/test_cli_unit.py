@@ -93,6 +93,12 @@ def test_step_line_and_metric_events():
               "rollout_tokens_per_s": 412.3, "step_s": 5.06, "kl": None}
     assert watch.step_line(3, 30, values) == ("step 3/30  reward 0.500  acc 0.25  entropy 1.234  "
                                                   "sigma 1.0e-02  412 tok/s  5.1 s")
+    assert watch.step_line(4, 30, {"reward_mean": 0.0, "updates_skipped": 1.0}) == (
+        "step 4/30  reward 0.000  no update: every group's samples scored alike")
+    assert watch.step_line(5, 30, {"reward_mean": 0.0, "updates_skipped": 0.0}) == "step 5/30  reward 0.000"
+    from worker.reporter import step_message
+    assert step_message(4, 30, {"reward_mean": 0.0, "updates_skipped": 1.0}) == (
+        "Step 4/30: reward_mean=0, updates_skipped=1 (no update: every group's samples scored alike)")
     assert watch._metric_values({"type": "metrics", "data": {"step": 3, "total_steps": 30, "kl": 0.1}}) == \
         (3, {"kl": 0.1})
     assert watch._metric_values({"type": "message", "data": None}) is None

@@ -18,6 +18,7 @@ from typing import Any
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
+from engine.types import NO_UPDATE
 from service import queue
 from service.models import Checkpoint, Job, JobMetric, JobSample, new_id, utcnow
 from service.storage import ArtifactStore, StoreUnavailable
@@ -50,7 +51,7 @@ def _text(value: Any) -> str:
 def step_message(step: int, total: int, values: dict[str, float | None]) -> str:
     keys = [k for k in _HEADLINE if k in values] + sorted(k for k in values if k not in _HEADLINE)
     parts = [f"{k}={values[k]:.4g}" if values[k] is not None else f"{k}=nan" for k in keys[:_HEADLINE_MAX]]
-    return f"Step {step}/{total}: " + ", ".join(parts)
+    return f"Step {step}/{total}: " + ", ".join(parts) + (f" ({NO_UPDATE})" if values.get("updates_skipped") else "")
 
 
 class DBReporter:
