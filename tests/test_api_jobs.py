@@ -192,6 +192,39 @@ def test_the_held_out_split_is_sized_by_distinct_prompts(client, key_a, db_sessi
     assert job_count(db_sessions, key_a.project) == 1
 
 
+def test_a_file_uploaded_before_uploads_counted_is_counted_by_its_first_job(client, key_a, db_sessions):
+    """A file whose row has no field or prompt counts (uploaded before migrations 0006 and 0007) is
+    counted when a job first uses it: the held-out split is sized by its distinct prompts, a grader
+    reading a field some rows lack is refused at creation, and the counts stay with the file once
+    a job is created (a refused job leaves it as it was)."""
+    rows = [{"prompt": f"Q{i % 8}?", "answer": "x"} for i in range(39)] + [{"prompt": "Q9?", "answr": "x"}]
+    file_id = upload(client, key_a, jsonl(rows)).json()["id"]
+
+    def forget() -> None:
+        with db_sessions() as s:
+            f = s.get(File, file_id)
+            f.fields, f.prompts = None, None
+            s.commit()
+
+    def counts() -> tuple:
+        with db_sessions() as s:
+            f = s.get(File, file_id)
+            return f.fields, f.prompts
+
+    forget()
+    method = {"type": "reinforcement", "reinforcement": {"grader": STRING_CHECK}}
+    err = assert_error(client.post("/v1/fine_tuning/jobs", headers=key_a.headers, json=body(file_id, method=method)),
+                       422, param="training_file")
+    assert "item.answer is in 39 of 40 rows" in err["message"], err["message"]
+    assert counts() == (None, None) and job_count(db_sessions, key_a.project) == 0
+    grader = {**STRING_CHECK, "reference": "x"}  # reads no item field
+    resp = client.post("/v1/fine_tuning/jobs", headers=key_a.headers,
+                       json=body(file_id, method={"type": "reinforcement", "reinforcement": {"grader": grader}}))
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["qerl"]["spec"]["data"]["eval_size"] == 2  # a quarter of 9 distinct prompts, not of 40 rows
+    assert counts() == ({"prompt": 40, "answer": 39, "answr": 1}, 9)
+
+
 def test_n_epochs_counts_the_rows_the_held_out_prompts_leave(client, key_a, db_sessions):
     """n_epochs passes over the training split: the file less the rows of its held-out prompts (all
     of a repeated prompt's rows go with it), the whole file with a validation file or nothing held

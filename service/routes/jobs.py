@@ -12,10 +12,11 @@ from sqlalchemy.orm import Session
 
 from service import crud
 from service.auth import CurrentKey
-from service.deps import ReadSessionDep, ReleasingRoute, SessionDep, SettingsDep, json_response
+from service.deps import ReadSessionDep, ReleasingRoute, SessionDep, SettingsDep, StoreDep, json_response
 from service.errors import APIError, not_found
 from service.jobspec import build_spec
-from service.models import Job, new_id
+from service.models import File, Job, new_id
+from service.storage import ArtifactStore, verified_artifact
 from service.schemas import FineTuningJob, JobCreate, ListPage
 from service.views import ACTIVE, TERMINAL, job_view
 
@@ -54,8 +55,22 @@ def wake(session: Session, job_id: str) -> None:
         log.exception("could not send the wake-up for job %s; the sweeper will retry", job_id)
 
 
+def _counted(store: ArtifactStore, f: File | None) -> File | None:
+    """A file uploaded before uploads counted their fields and distinct prompts (migrations 0006 and
+    0007) is counted the first time a job uses it, so that the job's checks and held-out split read
+    the same numbers as a new upload's; the counts stay with the file once the job is created."""
+    from engine.data.jsonl import field_counts, parse_jsonl
+    from engine.data.prompts import count_prompts
+
+    if f is None or f.prompts is not None or f.purpose != "fine-tune":
+        return f
+    rows, _ = parse_jsonl(verified_artifact(store, f.path, f.sha256, f"file {f.id}").read_bytes())
+    f.fields, f.prompts = field_counts(rows), count_prompts(rows)
+    return f
+
+
 @router.post("", response_model=FineTuningJob)
-def create_job(body: JobCreate, key: CurrentKey, session: SessionDep, settings: SettingsDep,
+def create_job(body: JobCreate, key: CurrentKey, session: SessionDep, settings: SettingsDep, store: StoreDep,
                idempotency_key: Annotated[str | None, Header(max_length=255)] = None) -> FineTuningJob:
     raw = body.model_dump(mode="json", exclude_unset=True)
     digest = request_hash(raw)
@@ -63,7 +78,7 @@ def create_job(body: JobCreate, key: CurrentKey, session: SessionDep, settings: 
         earlier = crud.job_by_idempotency_key(session, key.project, idempotency_key)
         if earlier is not None:
             return _replay(earlier, digest)
-    model, spec = build_spec(body, lambda fid: crud.get_file(session, key.project, fid, for_update=True),
+    model, spec = build_spec(body, lambda fid: _counted(store, crud.get_file(session, key.project, fid, for_update=True)),
                              lambda name: crud.find_parent(session, key.project, name))
     _check_active_limit(session, key.project, settings.max_active_jobs, "create another")
     job = Job(id=new_id("ftjob"), project=key.project, model=model, status="queued", request=raw, spec=spec,
