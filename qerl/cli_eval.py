@@ -20,7 +20,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from qerl.cli_client import ApiKey, BaseUrl, _errors_as_messages
-from qerl.cli_generate import (SERVER_REFS, Base, Device, Framing, Quantization, System, _adapter_facts,
+from qerl.cli_generate import (SERVER_REFS, Base, Device, Framing, Quantization, System, adapter_facts,
                                 adapter_manifest, framed_chat, load_adapted, read_rows, resolve_adapter)
 from qerl.jobbody import load_spec
 from qerl.term import rule, stdout_console
@@ -108,6 +108,7 @@ def eval_cmd(
     api_key: ApiKey = None,
 ) -> None:
     """Score fine-tuned adapters on a test file with a grader (greedy), beside their base alone."""
+    from engine.evaluate import examples_problem
     from engine.rewards import build_grader
     from engine.rollout.params import SamplingParams
 
@@ -126,7 +127,7 @@ def eval_cmd(
     params = SamplingParams(max_new_tokens=max_new_tokens or int(rollout.get("max_new_tokens") or 256))
     max_batch = int(rollout.get("max_batch") or 64)
     asks = [_examples(rows, m, system, framing) for m in manifests]
-    problem = _examples_problem(scorer, asks[0], file)
+    problem = examples_problem(scorer, asks[0], str(file))
     if problem:
         raise typer.BadParameter(problem, param_hint="--file")
 
@@ -195,9 +196,9 @@ def _refs(given: list[str], sweep: str | None, base_url: str | None, api_key: st
 
 def _same_base(refs: list[str], adapters: list[Path], base: str | None, quantization: str | None) -> None:
     """Adapters scored side by side share the base and format they are held in (the base alone is one)."""
-    held = {(base or b, quantization or q) for b, q, _ in (_adapter_facts(a) for a in adapters)}
+    held = {(base or b, quantization or q) for b, q, _ in (adapter_facts(a) for a in adapters)}
     if len(held) > 1:
-        said = "; ".join(f"{ref}: {b} ({q})" for ref, (b, q, _) in zip(refs, (_adapter_facts(a) for a in adapters)))
+        said = "; ".join(f"{ref}: {b} ({q})" for ref, (b, q, _) in zip(refs, (adapter_facts(a) for a in adapters)))
         raise typer.BadParameter(f"the adapters train different bases or formats ({said}); score them one base at "
                                  "a time", param_hint="ADAPTER")
 
@@ -210,12 +211,6 @@ def _examples(rows: list[tuple[int, dict[str, Any]]], manifest: dict[str, Any], 
     turns = manifest.get("prompt_framing") if framing else []
     turns = [m for m in turns if isinstance(m, dict)] if isinstance(turns, list) else []
     return [Example(framed_chat(row, system, turns), row, line) for line, row in rows]
-
-
-def _examples_problem(scorer: Any, examples: list[Any], file: Path) -> str | None:
-    from engine.evaluate import examples_problem
-
-    return examples_problem(scorer, examples, str(file))
 
 
 def _score_adapter(adapter: Path, examples: list[Any], scorer: Any, params: Any, max_batch: int, *,

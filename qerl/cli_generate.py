@@ -113,7 +113,7 @@ def adapter_manifest(adapter: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def _adapter_facts(adapter: Path) -> tuple[str, str, list[dict[str, str]]]:
+def adapter_facts(adapter: Path) -> tuple[str, str, list[dict[str, str]]]:
     """(base model, quantization, prompt framing) the adapter was trained with, from its manifest
     (or PEFT's config: no framing known)."""
     manifest = adapter_manifest(adapter)
@@ -199,7 +199,7 @@ def generate_cmd(
     if not prompt and prompts_file is None:
         raise typer.BadParameter("give at least one --prompt TEXT or a --prompts-file", param_hint="--prompt")
     adapter = resolve_adapter(adapter_ref, checkpoint, base_url, api_key)
-    trained_base, trained_format, trained_framing = _adapter_facts(adapter)
+    trained_base, trained_format, trained_framing = adapter_facts(adapter)
     chats = _prompts(prompt or [], prompts_file, system, trained_framing if framing else [])
     try:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
@@ -257,7 +257,7 @@ def load_adapted(adapter: Path, base: str | None, quantization: str | None, devi
     from engine.train_loop import pick_device
     from engine.types import TrainError
 
-    trained_base, trained_format, _ = _adapter_facts(adapter)
+    trained_base, trained_format, _ = adapter_facts(adapter)
     base_model = base or trained_base
     if not base_model:
         raise typer.BadParameter(f"{adapter} does not name its base model; give --base", param_hint="--base")
