@@ -132,6 +132,7 @@ def write_adapter(model: Any, out_dir: Path, *, spec: Any, steps: int, metrics: 
         "metrics": {k: float(v) for k, v in metrics.items()},
         "prompt_framing": prompt_framing if prompt_framing is not None else [],
         "grader": spec.grader,  # what its rewards were: `qerl eval` grades a test file with it
+        "dataset": spec.data.dataset,  # a built-in task's record: `qerl eval --task` leaves its questions out
         "files": files,
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))

@@ -68,7 +68,8 @@ def _show(rows: list[dict[str, Any]], title: str) -> None:
     rule(console, title)
     for r in rows:
         question = " ".join(r["messages"][-1]["content"].split())[-SHOWN_CHARS:]
-        console.print(f"[dim]line {r['line']}:[/] {escape(question)}")
+        where = f"line {r['line']}" if r["line"] is not None else f"question {r['index'] + 1}"
+        console.print(f"[dim]{where}:[/] {escape(question)}")
         for label, key, reward in (("fine-tuned", "completion", "reward"), ("base alone", "base_completion",
                                                                             "base_reward")):
             text = " ".join(r[key].split())[:SHOWN_CHARS]
@@ -80,14 +81,21 @@ def eval_cmd(
     adapter_refs: Annotated[Optional[list[str]], typer.Argument(
         metavar="ADAPTER...", help="one or more adapters: a directory (qerl adapters download, qerl train), or from "
         "the server a job id (ftjob-...), an adapter id or a fine-tuned model (ft:...)")] = None,
-    file: Annotated[Path, typer.Option(
+    file: Annotated[Optional[Path], typer.Option(
         "--file", "-f", exists=True, dir_okay=False,
         help="the test rows as JSON lines, as a training file: {\"prompt\": ...} or {\"messages\": [...]} "
-        "plus the fields the grader reads")] = ...,  # type: ignore[assignment]
+        "plus the fields the grader reads")] = None,
+    task: Annotated[Optional[str], typer.Option(
+        help="instead of --file: fresh questions of this reasoning-gym task (e.g. products), those the adapter "
+        "trained on left out; graded by the task's own score_answer unless --grader")] = None,
+    size: Annotated[int, typer.Option(min=1, max=100_000, help="with --task: how many questions")] = 50,
+    seed: Annotated[Optional[int], typer.Option(
+        help="with --task: the questions' seed (default: one past the seed the adapter's questions came from)")] = None,
     sweep: Annotated[Optional[str], typer.Option(
         help="also every succeeded job of this sweep (qerl jobs create --sweep), oldest first")] = None,
     grader: Annotated[Optional[str], typer.Option(
-        help="the grader as a JSON or YAML file (default: the one the adapters trained with, from their manifests)")] = None,
+        help="the grader as a JSON or YAML file (default: the one the adapters trained with, from their "
+        "manifests)")] = None,
     limit: Annotated[Optional[int], typer.Option(min=1, help="score the first N rows only")] = None,
     system: System = None,
     framing: Framing = True,
@@ -114,7 +122,8 @@ def eval_cmd(
 
     refs = _refs(adapter_refs or [], sweep, base_url, api_key)
     if checkpoint is not None and len(refs) > 1:
-        raise typer.BadParameter("--checkpoint picks a checkpoint of one job: give one ADAPTER", param_hint="--checkpoint")
+        raise typer.BadParameter("--checkpoint picks a checkpoint of one job: give one ADAPTER",
+                                 param_hint="--checkpoint")
     adapters = [resolve_adapter(ref, checkpoint, base_url, api_key) for ref in refs]
     manifests = [adapter_manifest(a) for a in adapters]
     _same_base(refs, adapters, base, quantization)
@@ -122,12 +131,19 @@ def eval_cmd(
         scorer = build_grader(_grader_config(grader, manifests, refs))
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--grader") from None
-    rows = read_rows(file, "--file")[:limit]
+    if (file is None) == (task is None):
+        raise typer.BadParameter("give the test rows: --file test.jsonl, or --task NAME for fresh questions of a "
+                                 "reasoning-gym task (not both)", param_hint="--file")
+    if file is not None:
+        rows, source = read_rows(file, "--file")[:limit], f"rows of {file}"
+    else:
+        rows, source = _task_rows(task or "", size, seed, manifests[0])
+        rows = rows[:limit]
     rollout = manifests[0].get("rollout") if isinstance(manifests[0].get("rollout"), dict) else {}
     params = SamplingParams(max_new_tokens=max_new_tokens or int(rollout.get("max_new_tokens") or 256))
     max_batch = int(rollout.get("max_batch") or 64)
     asks = [_examples(rows, m, system, framing) for m in manifests]
-    problem = examples_problem(scorer, asks[0], str(file))
+    problem = examples_problem(scorer, asks[0], str(file) if file is not None else f"--task {task}")
     if problem:
         raise typer.BadParameter(problem, param_hint="--file")
 
@@ -145,13 +161,14 @@ def eval_cmd(
     if as_json:
         for res in results:
             print(json.dumps({"adapter": str(res["adapter"]), "ref": res["ref"], "model": res["model"],
-                              "quantization": res["quantization"], "file": str(file), "rows": len(rows),
+                              "quantization": res["quantization"], "file": str(file) if file is not None else None,
+                              "task": task, "rows": len(rows),
                               "max_new_tokens": params.max_new_tokens, "grader": scorer.name,
                               "fine_tuned": _plain(res["scored"].metrics),
                               "base": _plain(alone.metrics) if alone is not None else None}), flush=True)
         return
-    console.print(_table([(_short(r["ref"]) if len(results) > 1 else "fine-tuned", r["scored"].metrics) for r in results],
-                         alone.metrics if alone is not None else None))
+    named = [(_short(r["ref"]) if len(results) > 1 else "fine-tuned", r["scored"].metrics) for r in results]
+    console.print(_table(named, alone.metrics if alone is not None else None))
     if alone is not None and show and len(results) == 1:
         per_row = _rows(refs[0], results[0]["examples"], results[0]["scored"], alone)
         changed = sorted((r for r in per_row if r["reward"] != r["base_reward"]),
@@ -160,7 +177,7 @@ def eval_cmd(
         _show([r for r in reversed(changed) if r["reward"] < r["base_reward"]][:show], "worse with the adapter")
     first = results[0]
     where = f"the adapter in {first['adapter']}" if len(results) == 1 else f"{len(results)} adapters"
-    console.print(f"[dim]{len(rows)} rows of {escape(str(file))}, greedy, at most {params.max_new_tokens} new "
+    console.print(f"[dim]{len(rows)} {escape(source)}, greedy, at most {params.max_new_tokens} new "
                   f"tokens; {escape(first['model'])} ({first['quantization']}) with {escape(where)}, on "
                   f"{first['device']}; graded by {escape(str(scorer.name))}[/]")
     if output is not None:
@@ -192,6 +209,42 @@ def _refs(given: list[str], sweep: str | None, base_url: str | None, api_key: st
         raise typer.BadParameter("give an ADAPTER (a directory, job id, adapter id or ft: model) or --sweep ID",
                                  param_hint="ADAPTER")
     return refs
+
+
+def _task_rows(task: str, size: int, seed: int | None,
+               manifest: dict[str, Any]) -> tuple[list[tuple[None, dict[str, Any]]], str]:
+    """``size`` questions of a reasoning-gym task as test rows (each row the task's entry, its
+    question the prompt), and what they are. Where the adapter trained on that task (its manifest's
+    ``dataset``), they come with its config, from another seed, and without the questions it trained
+    on (its whole dataset: the held-out ones included)."""
+    from engine.data.builtin import reasoning_gym_entries
+    from engine.types import TrainError
+
+    trained = manifest.get("dataset") if isinstance(manifest.get("dataset"), dict) else None
+    trained = trained if trained is not None and trained.get("task") == task else None
+    job_seed = int(manifest.get("seed") or 0)
+    first = int(trained.get("seed", job_seed)) if trained is not None else job_seed
+    try:
+        seen = {e["question"] for e in reasoning_gym_entries(trained, job_seed)[0]} if trained is not None else set()
+        record = {"source": "reasoning_gym", "task": task, "size": size + len(seen),
+                  "seed": first + 1 if seed is None else seed,
+                  **({"config": trained["config"]} if trained is not None and trained.get("config") else {})}
+        entries, _ = reasoning_gym_entries(record, 0)
+    except TrainError as exc:
+        raise typer.BadParameter(str(exc).replace("data.dataset.", ""), param_hint="--task") from None
+    fresh: list[dict[str, Any]] = []
+    skipped = 0
+    for e in entries:
+        if len(fresh) == size:
+            break
+        if e["question"] in seen:
+            skipped += 1
+        else:
+            fresh.append(e)
+    said = f"questions of reasoning-gym's {task} (seed {record['seed']})"
+    if trained is not None:
+        said += f", {skipped} that the adapter trained on left out"
+    return [(None, {"prompt": e["question"], **e}) for e in fresh], said
 
 
 def _same_base(refs: list[str], adapters: list[Path], base: str | None, quantization: str | None) -> None:
@@ -261,7 +314,7 @@ def _rows(ref: str, examples: list[Any], tuned: _Scored, alone: _Scored | None) 
     out = []
     for i, ex in enumerate(examples):
         c = tuned.completions[i]
-        r: dict[str, Any] = {"adapter": ref, "line": ex.line, "messages": ex.messages, "completion": c.text,
+        r: dict[str, Any] = {"adapter": ref, "index": i, "line": ex.line, "messages": ex.messages, "completion": c.text,
                              "reward": tuned.scores[i], "scores": tuned.parts[i], "finish_reason": c.finish_reason,
                              "tokens": len(c.token_ids)}
         if alone is not None:

@@ -245,7 +245,8 @@ def generate_cmd(
                           f"{shots} worked example{'s' if shots != 1 else ''} (--no-framing: as given)[/]")
 
 
-def load_adapted(adapter: Path, base: str | None, quantization: str | None, device: str) -> tuple[Any, Any, str, str, Any]:
+def load_adapted(adapter: Path, base: str | None, quantization: str | None,
+                 device: str) -> tuple[Any, Any, str, str, Any]:
     """(model, tokenizer, base model, format, device): the adapter attached to its base (the one its
     manifest names unless ``base``), held in the format it trained on unless ``quantization``."""
     import torch

@@ -159,3 +159,39 @@ def test_several_adapters_side_by_side(trained, tmp_path):
     assert bases.exit_code == 2 and "tiny (bf16)); score them one base at a time" in _flat(bases.output), bases.output
     nothing = CliRunner().invoke(app, ["eval", "--file", str(test)])
     assert nothing.exit_code == 2 and "give an ADAPTER" in _flat(nothing.output)
+
+
+def test_fresh_questions_of_the_task_an_adapter_trained_on(tiny_model_dir, tmp_path):
+    """--task: questions of a reasoning-gym task as test rows, asked as training asked them (its
+    system turn and worked example), graded by the task's own scorer from the manifest; those the
+    adapter trained on are left out, also when asked for with the training's own seed."""
+    from engine import NullReporter, train
+    from engine.data.builtin import reasoning_gym_entries
+    from engine.spec import TrainSpec
+    from tests._worker_fixtures import tiny_spec
+
+    spec = TrainSpec.from_dict(tiny_spec("tiny", steps=1, seed=5))
+    result = train(spec, workdir=tmp_path / "run", reporter=NullReporter(), should_stop=lambda: False)
+    trained_on = {e["question"] for e in reasoning_gym_entries(spec.data.dataset, spec.seed)[0]}
+    manifest = json.loads((result.adapter_dir / "qerl_manifest.json").read_text())
+    assert manifest["dataset"] == spec.data.dataset and len(trained_on) == 16
+
+    rows = tmp_path / "rows.jsonl"
+    got = _eval(str(result.adapter_dir), "--task", "products", "--size", "6", "--output", str(rows))
+    assert (got["rows"], got["task"], got["file"], got["grader"]) == (6, "products", None, "task")
+    asked = [json.loads(line) for line in rows.read_text().splitlines()]
+    assert all(r["messages"][:-1] == manifest["prompt_framing"] for r in asked)
+    questions = [r["messages"][-1]["content"] for r in asked]
+    assert len(set(questions)) == 6 and not set(questions) & trained_on
+
+    again = tmp_path / "again.jsonl"  # the training's own seed: its questions come first, and are left out
+    run = CliRunner().invoke(app, ["eval", str(result.adapter_dir), "--task", "products", "--size", "4", "--seed",
+                                   str(spec.seed), "--device", "cpu", "--no-compare", "--output", str(again)])
+    assert run.exit_code == 0, run.output
+    assert "16 that the adapter trained on left out" in _flat(run.stdout), run.stdout
+    assert not {json.loads(line)["messages"][-1]["content"] for line in again.read_text().splitlines()} & trained_on
+
+    for args, said in ((["--task", "products", "--file", str(rows)], "give the test rows"), ([], "give the test rows"),
+                       (["--task", "no_such_task"], "'no_such_task' is not a reasoning-gym task")):
+        bad = CliRunner().invoke(app, ["eval", str(result.adapter_dir), *args, "--device", "cpu"])
+        assert bad.exit_code == 2 and said in _flat(bad.output), bad.output
