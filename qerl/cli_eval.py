@@ -241,6 +241,11 @@ def _task_rows(task: str, size: int, seed: int | None,
             skipped += 1
         else:
             fresh.append(e)
+    if not fresh:
+        raise typer.BadParameter(f"every one of the {len(entries)} questions of {task} that seed {record['seed']} "
+                                 f"gives is among the {len(seen)} the adapter trained on: with its config the task "
+                                 "has too few questions to hold any out; give a --file of test rows",
+                                 param_hint="--task")
     said = f"questions of reasoning-gym's {task} (seed {record['seed']})"
     if trained is not None:
         said += f", {skipped} that the adapter trained on left out"

@@ -119,8 +119,7 @@ def run_demo(data_dir: Path, steps: int | None) -> int:
         out = client.download_adapter(adapter_id, data_dir / "adapters" / adapter_id)
         console.print(f"Adapter [bold]{adapter_id}[/] downloaded (sha256 verified) to {out}; "
                       f"load it with peft.PeftModel.from_pretrained(base, '{out}'), or try it beside the base: "
-                      f"qerl generate {out} -p 'What is 12 times 7?', or score it on fresh questions of its task: "
-                      f"qerl eval {out} --task products", highlight=False)
+                      f"qerl generate {out} -p 'What is 12 times 7?'", highlight=False)
         return 0
     except QerlError as exc:
         console.print(f"[red]{exc}[/]")

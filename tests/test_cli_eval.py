@@ -191,6 +191,16 @@ def test_fresh_questions_of_the_task_an_adapter_trained_on(tiny_model_dir, tmp_p
     assert "16 that the adapter trained on left out" in _flat(run.stdout), run.stdout
     assert not {json.loads(line)["messages"][-1]["content"] for line in again.read_text().splitlines()} & trained_on
 
+    small = json.loads((result.adapter_dir / "qerl_manifest.json").read_text())  # trained on all ~100 questions
+    small["dataset"] = {**small["dataset"], "size": 400,
+                        "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}}
+    tight = tmp_path / "tight"
+    tight.mkdir()
+    for f in result.adapter_dir.iterdir():
+        (tight / f.name).write_bytes(f.read_bytes())
+    (tight / "qerl_manifest.json").write_text(json.dumps(small))
+    none_left = CliRunner().invoke(app, ["eval", str(tight), "--task", "products", "--device", "cpu"])
+    assert none_left.exit_code == 2 and "too few questions to hold any out" in _flat(none_left.output), none_left.output
     for args, said in ((["--task", "products", "--file", str(rows)], "give the test rows"), ([], "give the test rows"),
                        (["--task", "no_such_task"], "'no_such_task' is not a reasoning-gym task")):
         bad = CliRunner().invoke(app, ["eval", str(result.adapter_dir), *args, "--device", "cpu"])
