@@ -120,6 +120,9 @@ def eval_cmd(
     from engine.rewards import build_grader
     from engine.rollout.params import SamplingParams
 
+    if (file is None) == (task is None):  # before any adapter is looked up or downloaded
+        raise typer.BadParameter("give the test rows: --file test.jsonl, or --task NAME for fresh questions of a "
+                                 "reasoning-gym task (not both)", param_hint="--file")
     refs = _refs(adapter_refs or [], sweep, base_url, api_key)
     if checkpoint is not None and len(refs) > 1:
         raise typer.BadParameter("--checkpoint picks a checkpoint of one job: give one ADAPTER",
@@ -131,9 +134,6 @@ def eval_cmd(
         scorer = build_grader(_grader_config(grader, manifests, refs))
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--grader") from None
-    if (file is None) == (task is None):
-        raise typer.BadParameter("give the test rows: --file test.jsonl, or --task NAME for fresh questions of a "
-                                 "reasoning-gym task (not both)", param_hint="--file")
     if file is not None:
         rows, source = read_rows(file, "--file")[:limit], f"rows of {file}"
     else:
@@ -155,9 +155,9 @@ def eval_cmd(
                                                    with_base=compare and alone is None)
         alone = alone or alone_here
         results.append({"ref": ref, "adapter": adapter, "examples": examples, "scored": scored, **facts})
+    per_row = [_rows(res["ref"], res["examples"], res["scored"], alone) for res in results]
     if output is not None:
-        output.write_text("".join(json.dumps(r) + "\n" for res in results
-                                  for r in _rows(res["ref"], res["examples"], res["scored"], alone)))
+        output.write_text("".join(json.dumps(r) + "\n" for rows_of in per_row for r in rows_of))
     if as_json:
         for res in results:
             print(json.dumps({"adapter": str(res["adapter"]), "ref": res["ref"], "model": res["model"],
@@ -170,8 +170,7 @@ def eval_cmd(
     named = [(_short(r["ref"]) if len(results) > 1 else "fine-tuned", r["scored"].metrics) for r in results]
     console.print(_table(named, alone.metrics if alone is not None else None))
     if alone is not None and show and len(results) == 1:
-        per_row = _rows(refs[0], results[0]["examples"], results[0]["scored"], alone)
-        changed = sorted((r for r in per_row if r["reward"] != r["base_reward"]),
+        changed = sorted((r for r in per_row[0] if r["reward"] != r["base_reward"]),
                          key=lambda r: r["base_reward"] - r["reward"])  # most improved first
         _show([r for r in changed if r["reward"] > r["base_reward"]][:show], "improved most with the adapter")
         _show([r for r in reversed(changed) if r["reward"] < r["base_reward"]][:show], "worse with the adapter")
@@ -254,9 +253,9 @@ def _task_rows(task: str, size: int, seed: int | None,
 
 def _same_base(refs: list[str], adapters: list[Path], base: str | None, quantization: str | None) -> None:
     """Adapters scored side by side share the base and format they are held in (the base alone is one)."""
-    held = {(base or b, quantization or q) for b, q, _ in (adapter_facts(a) for a in adapters)}
-    if len(held) > 1:
-        said = "; ".join(f"{ref}: {b} ({q})" for ref, (b, q, _) in zip(refs, (adapter_facts(a) for a in adapters)))
+    facts = [adapter_facts(a) for a in adapters]
+    if len({(base or b, quantization or q) for b, q, _ in facts}) > 1:
+        said = "; ".join(f"{ref}: {b} ({q})" for ref, (b, q, _) in zip(refs, facts))
         raise typer.BadParameter(f"the adapters train different bases or formats ({said}); score them one base at "
                                  "a time", param_hint="ADAPTER")
 
