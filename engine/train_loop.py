@@ -431,7 +431,7 @@ class _Run:
             if result is None:
                 return self._stop(self._boundary())
             self.initial_eval = result
-        elif self.eval_due == self.step and self.last_eval_step != self.step:  # a stop cut it short: redo it
+        elif self._eval_cut_short():  # redo it
             if self._evaluate() is None:
                 return self._stop(self._boundary())
             if self.step < spec.steps and self._plateaued():
@@ -608,6 +608,10 @@ class _Run:
             self.plateau = (self.plateau[0], self.plateau[1], self.plateau[2] + 1)
         return result
 
+    def _eval_cut_short(self) -> bool:
+        """This step's evaluation was begun and a stop cut it short."""
+        return self.eval_due == self.step and self.last_eval_step != self.step
+
     def _plateaued(self) -> bool:
         """early_stop_patience evaluations in a row without a higher held-out reward: say so, and end."""
         patience = self.spec.early_stop_patience
@@ -639,7 +643,7 @@ class _Run:
                  "best_eval": list(self.best_eval) if self.best_eval is not None else None,
                  "plateau": list(self.plateau) if self.plateau is not None else None,
                  # a step whose evaluation a stop cut short: the resumed run evaluates it first
-                 "eval_due": self.step if self.eval_due == self.step and self.last_eval_step != self.step else None}
+                 "eval_due": self.step if self._eval_cut_short() else None}
         partial = self.step < self.spec.steps
         path = ckpt.save_checkpoint(self.workdir / "checkpoints", self.step, adapter=adapter_state_dict(self.model),
                                     optimizer=self.optimizer.state_dict(), scheduler=self.scheduler.state_dict(),
