@@ -13,17 +13,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
 from qerl.cli_client import ApiKey, BaseUrl, _errors_as_messages
-from qerl.cli_generate import (SERVER_REFS, Base, Device, Framing, Quantization, System, adapter_facts,
-                                adapter_manifest, framed_chat, load_adapted, read_rows, resolve_adapter)
+from qerl.cli_generate import (SERVER_REFS, Base, Device, Framing, Quantization, System, adapter_errors,
+                                adapter_facts, adapter_manifest, read_rows, resolve_adapter)
 from qerl.jobbody import load_spec
 from qerl.term import rule, stdout_console
+
+if TYPE_CHECKING:
+    from engine.score import Scored
 
 console = stdout_console()
 SHOWN_CHARS = 200
@@ -112,18 +115,26 @@ def eval_cmd(
     output: Annotated[Optional[Path], typer.Option(
         dir_okay=False, help="write every row's answers and rewards here, as JSON lines")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="the scores as JSON, a line per adapter")] = False,
+    on_server: Annotated[bool, typer.Option(
+        "--on-server", help="score on the server's workers (their GPU) instead of here: --file is uploaded and an "
+        "evaluation created per adapter (POST /v1/evaluations)")] = False,
     base_url: BaseUrl = None,
     api_key: ApiKey = None,
 ) -> None:
     """Score fine-tuned adapters on a test file with a grader (greedy), beside their base alone."""
-    from engine.evaluate import examples_problem
     from engine.rewards import build_grader
-    from engine.rollout.params import SamplingParams
+    from engine.score import check_examples, decoding, framed_examples, row_records
+    from engine.types import TrainError
 
     if (file is None) == (task is None):  # before any adapter is looked up or downloaded
         raise typer.BadParameter("give the test rows: --file test.jsonl, or --task NAME for fresh questions of a "
                                  "reasoning-gym task (not both)", param_hint="--file")
+    if on_server:
+        _check_on_server(adapter_refs or [], task, system, framing, base, quantization, checkpoint, device)
     refs = _refs(adapter_refs or [], sweep, base_url, api_key)
+    if on_server and file is not None:
+        return _eval_on_server(refs, file, grader, limit, max_new_tokens, compare, show, output, as_json,
+                               base_url, api_key)
     if checkpoint is not None and len(refs) > 1:
         raise typer.BadParameter("--checkpoint picks a checkpoint of one job: give one ADAPTER",
                                  param_hint="--checkpoint")
@@ -139,23 +150,22 @@ def eval_cmd(
     else:
         rows, source = _task_rows(task or "", size, seed, manifests[0])
         rows = rows[:limit]
-    rollout = manifests[0].get("rollout") if isinstance(manifests[0].get("rollout"), dict) else {}
-    params = SamplingParams(max_new_tokens=max_new_tokens or int(rollout.get("max_new_tokens") or 256))
-    max_batch = int(rollout.get("max_batch") or 64)
-    asks = [_examples(rows, m, system, framing) for m in manifests]
-    problem = examples_problem(scorer, asks[0], str(file) if file is not None else f"--task {task}")
-    if problem:
-        raise typer.BadParameter(problem, param_hint="--file")
+    params, max_batch = decoding(manifests[0], max_new_tokens)
+    asks = [framed_examples(rows, m, system, framing) for m in manifests]
+    try:
+        check_examples(scorer, asks[0], str(file) if file is not None else f"--task {task}")
+    except TrainError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--file") from None
 
     results: list[dict[str, Any]] = []
-    alone: _Scored | None = None
+    alone: Scored | None = None
     for ref, adapter, examples in zip(refs, adapters, asks):
         scored, alone_here, facts = _score_adapter(adapter, examples, scorer, params, max_batch, base=base,
                                                    quantization=quantization, device=device,
                                                    with_base=compare and alone is None)
         alone = alone or alone_here
         results.append({"ref": ref, "adapter": adapter, "examples": examples, "scored": scored, **facts})
-    per_row = [_rows(res["ref"], res["examples"], res["scored"], alone) for res in results]
+    per_row = [row_records(res["ref"], res["examples"], res["scored"], alone) for res in results]
     if output is not None:
         output.write_text("".join(json.dumps(r) + "\n" for rows_of in per_row for r in rows_of))
     if as_json:
@@ -167,13 +177,8 @@ def eval_cmd(
                               "fine_tuned": _plain(res["scored"].metrics),
                               "base": _plain(alone.metrics) if alone is not None else None}), flush=True)
         return
-    named = [(_short(r["ref"]) if len(results) > 1 else "fine-tuned", r["scored"].metrics) for r in results]
-    console.print(_table(named, alone.metrics if alone is not None else None))
-    if alone is not None and show and len(results) == 1:
-        changed = sorted((r for r in per_row[0] if r["reward"] != r["base_reward"]),
-                         key=lambda r: r["base_reward"] - r["reward"])  # most improved first
-        _show([r for r in changed if r["reward"] > r["base_reward"]][:show], "improved most with the adapter")
-        _show([r for r in reversed(changed) if r["reward"] < r["base_reward"]][:show], "worse with the adapter")
+    _print_scores([(r["ref"], r["scored"].metrics) for r in results], alone.metrics if alone is not None else None,
+                  per_row[0], show)
     first = results[0]
     where = f"the adapter in {first['adapter']}" if len(results) == 1 else f"{len(results)} adapters"
     console.print(f"[dim]{len(rows)} {escape(source)}, greedy, at most {params.max_new_tokens} new "
@@ -183,12 +188,70 @@ def eval_cmd(
         console.print(f"[dim]every row's answers and rewards: {escape(str(output))}[/]")
 
 
-class _Scored:
-    """An adapter's (or the base's) greedy completions of the test rows, graded."""
+def _print_scores(columns: list[tuple[str, dict[str, float]]], alone: dict[str, float] | None,
+                  first_rows: list[dict[str, Any]], show: int) -> None:
+    """The table of ``eval/*`` metrics per adapter (and the base alone's), then, for one adapter,
+    the answers that improved most and those that got worse."""
+    named = [(_short(ref) if len(columns) > 1 else "fine-tuned", m) for ref, m in columns]
+    console.print(_table(named, alone))
+    if alone is not None and show and len(columns) == 1:
+        changed = sorted((r for r in first_rows if r["reward"] != r["base_reward"]),
+                         key=lambda r: r["base_reward"] - r["reward"])  # most improved first
+        _show([r for r in changed if r["reward"] > r["base_reward"]][:show], "improved most with the adapter")
+        _show([r for r in reversed(changed) if r["reward"] < r["base_reward"]][:show], "worse with the adapter")
 
-    def __init__(self, completions: list[Any], scores: list[float], parts: list[dict[str, float]],
-                 metrics: dict[str, float]) -> None:
-        self.completions, self.scores, self.parts, self.metrics = completions, scores, parts, metrics
+
+def _check_on_server(given: list[str], task: str | None, system: str | None, framing: bool, base: str | None,
+                     quantization: str | None, checkpoint: int | None, device: str) -> None:
+    """--on-server scores a test file with the adapters as they trained, on the server's device."""
+    local = [ref for ref in given if not ref.startswith(SERVER_REFS)]
+    for wrong, option, fix in ((task is not None, "--task", "give a --file of test rows"),
+                               (bool(local), "ADAPTER", f"{', '.join(local)} is not on the server: give a job id, "
+                                                        "adapter id or ft: model, or leave out --on-server"),
+                               (checkpoint is not None, "--checkpoint", "give the checkpoint's name "
+                                                                        "(ft:...:ckpt-step-N) as ADAPTER"),
+                               (system is not None or not framing, "--system", "rows are asked as training asked"),
+                               (base is not None or quantization is not None, "--base",
+                                "the server holds the base the adapter trained on, in its format"),
+                               (device != "auto", "--device", "the server's workers choose theirs")):
+        if wrong:
+            raise typer.BadParameter(f"{option} does not go with --on-server: {fix}", param_hint=option)
+
+
+def _eval_on_server(refs: list[str], file: Path, grader: str | None, limit: int | None, max_new_tokens: int | None,
+                    compare: bool, show: int, output: Path | None, as_json: bool, base_url: str | None,
+                    api_key: str | None) -> None:
+    """--on-server: the evaluations' numbers and rows, printed as a local run's."""
+    from qerl.cli_client import err
+    from qerl.cli_eval_server import score_on_server
+
+    config = load_spec(grader, 'a grader such as {"type": "string_check", ...}') if grader is not None else None
+    scores = score_on_server(refs, file, config, limit=limit, max_new_tokens=max_new_tokens, compare=compare,
+                             base_url=base_url, api_key=api_key, say=lambda m: err.print(f"[dim]{escape(m)}[/]"))
+    results = [s.evaluation["result"] for s in scores]
+    alone = results[0]["base"]
+    if output is not None:
+        output.write_text("".join(json.dumps(r) + "\n" for s in scores for r in s.rows))
+    if as_json:
+        for s, res in zip(scores, results):
+            print(json.dumps({"evaluation": s.evaluation["id"], "ref": s.ref, "model": res["base_model"],
+                              "quantization": res["quantization"], "device": res["device"], "file": str(file),
+                              "task": None, "rows": res["rows"], "max_new_tokens": res["max_new_tokens"],
+                              "grader": res["grader"], "fine_tuned": res["fine_tuned"], "base": alone}), flush=True)
+        return
+    _print_scores([(s.ref, _prefixed(res["fine_tuned"])) for s, res in zip(scores, results)],
+                  _prefixed(alone) if alone is not None else None, scores[0].rows, show)
+    first = results[0]
+    where = scores[0].ref if len(scores) == 1 else f"{len(scores)} adapters"
+    console.print(f"[dim]{first['rows']} rows of {escape(str(file))}, greedy, at most {first['max_new_tokens']} new "
+                  f"tokens; {escape(first['base_model'])} ({first['quantization']}) with {escape(where)}, on the "
+                  f"server ({first['device']}); graded by {escape(str(first['grader']))}[/]")
+    if output is not None:
+        console.print(f"[dim]every row's answers and rewards: {escape(str(output))}[/]")
+
+
+def _prefixed(m: dict[str, float]) -> dict[str, float]:
+    return {f"eval/{k}": v for k, v in m.items()}
 
 
 def _refs(given: list[str], sweep: str | None, base_url: str | None, api_key: str | None) -> list[str]:
@@ -260,73 +323,23 @@ def _same_base(refs: list[str], adapters: list[Path], base: str | None, quantiza
                                  "a time", param_hint="ADAPTER")
 
 
-def _examples(rows: list[tuple[int, dict[str, Any]]], manifest: dict[str, Any], system: str | None,
-              framing: bool) -> list[Any]:
-    """The test rows as one adapter's training asked its questions (its manifest's prompt framing)."""
-    from engine.data.load import Example
-
-    turns = manifest.get("prompt_framing") if framing else []
-    turns = [m for m in turns if isinstance(m, dict)] if isinstance(turns, list) else []
-    return [Example(framed_chat(row, system, turns), row, line) for line, row in rows]
-
-
 def _score_adapter(adapter: Path, examples: list[Any], scorer: Any, params: Any, max_batch: int, *,
                    base: str | None, quantization: str | None, device: str,
-                   with_base: bool) -> tuple[_Scored, _Scored | None, dict[str, Any]]:
-    """The adapter's graded completions, the base alone's too where ``with_base``, and where it ran;
-    the model is released before the next adapter loads."""
-    import gc
-
-    import torch
-
-    from engine.lora import lora_disabled
-    from engine.train_batch import apply_chat_template
-
-    model, tokenizer, base_model, fmt, dev = load_adapted(adapter, base, quantization, device)
-    ids = [apply_chat_template(tokenizer, ex.messages) for ex in examples]
-    items = [ex.item for ex in examples]
-
-    tuned = _score(model, tokenizer, ids, items, scorer, params, max_batch)
-    alone = None
-    if with_base:
-        with lora_disabled(model):
-            alone = _score(model, tokenizer, ids, items, scorer, params, max_batch)
-    del model
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-    return tuned, alone, {"model": base_model, "quantization": fmt, "device": str(dev)}
-
-
-def _score(model: Any, tokenizer: Any, ids: list[list[int]], items: list[dict[str, Any]], scorer: Any, params: Any,
-           max_batch: int) -> _Scored:
-    from engine.evaluate import grade, greedy_completions, metrics_of
+                   with_base: bool) -> tuple[Scored, Scored | None, dict[str, Any]]:
+    """engine.score.score_adapter, its errors said on the command line (a row the grader cannot
+    read: its code and message, exit code 2)."""
+    from engine.score import score_adapter
     from engine.types import TrainError
 
-    completions = greedy_completions(model, tokenizer, ids, params, max_batch=max_batch)
-    assert completions is not None  # nothing asks it to stop
     try:
-        scores, parts, correct = grade(scorer, completions, items)
+        with adapter_errors():
+            got = score_adapter(adapter, examples, scorer, params, max_batch, base=base, quantization=quantization,
+                                device=device, with_base=with_base)
     except TrainError as exc:
         console.print(f"[red]{exc.code}: {escape(str(exc))}[/]")
         raise typer.Exit(2) from None
-    return _Scored(completions, scores, parts, metrics_of(completions, scores, parts, correct))
-
-
-def _rows(ref: str, examples: list[Any], tuned: _Scored, alone: _Scored | None) -> list[dict[str, Any]]:
-    """Each test row's answer and reward with the adapter (and the base alone's)."""
-    out = []
-    for i, ex in enumerate(examples):
-        c = tuned.completions[i]
-        r: dict[str, Any] = {"adapter": ref, "index": i, "line": ex.line, "messages": ex.messages, "completion": c.text,
-                             "reward": tuned.scores[i], "scores": tuned.parts[i], "finish_reason": c.finish_reason,
-                             "tokens": len(c.token_ids)}
-        if alone is not None:
-            b = alone.completions[i]
-            r.update(base_completion=b.text, base_reward=alone.scores[i], base_finish_reason=b.finish_reason,
-                     base_tokens=len(b.token_ids))
-        out.append(r)
-    return out
+    assert got is not None  # nothing asks it to stop
+    return got
 
 
 def _short(ref: str) -> str:

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 from rich.markup import escape
 
+from engine.score import framed_chat, read_manifest
 from qerl.cli_client import ApiKey, BaseUrl, _errors_as_messages
 from qerl.term import rule, stdout_console
 
@@ -104,53 +106,49 @@ def resolve_adapter(adapter_ref: str, checkpoint: int | None, base_url: str | No
     return adapter
 
 
+@contextmanager
+def adapter_errors() -> Iterator[None]:
+    """engine.score's adapter errors as the command line says them: the argument or option to
+    change, or (loading failed) a red line and exit code 2."""
+    from engine.score import AdapterLoadError, AdapterOptionError, NotAnAdapter
+
+    try:
+        yield
+    except NotAnAdapter as exc:
+        raise typer.BadParameter(f"{exc}; `qerl adapters download ID -o DIR` extracts one",
+                                 param_hint="ADAPTER") from None
+    except AdapterOptionError as exc:
+        fix = "; give --base" if exc.option == "base" else ""
+        raise typer.BadParameter(f"{exc}{fix}", param_hint=f"--{exc.option}") from None
+    except AdapterLoadError as exc:
+        console.print(f"[red]cannot load {escape(exc.base)} with the adapter in {exc.adapter}: {escape(exc.reason)}[/]")
+        raise typer.Exit(2) from None
+
+
 def adapter_manifest(adapter: Path) -> dict[str, Any]:
     """The adapter's ``qerl_manifest.json`` ({} for a PEFT directory without one)."""
-    if not (adapter / "adapter_config.json").is_file():
-        raise typer.BadParameter(f"{adapter} is not a PEFT adapter directory (no adapter_config.json); "
-                                 "`qerl adapters download ID -o DIR` extracts one", param_hint="ADAPTER")
-    path = adapter / "qerl_manifest.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
+    with adapter_errors():
+        return read_manifest(adapter)
 
 
 def adapter_facts(adapter: Path) -> tuple[str, str, list[dict[str, str]]]:
-    """(base model, quantization, prompt framing) the adapter was trained with, from its manifest
-    (or PEFT's config: no framing known)."""
-    manifest = adapter_manifest(adapter)
-    if manifest:
-        base = manifest.get("base_model") or {}
-        name = base.get("name") if isinstance(base, dict) else base
-        framing = manifest.get("prompt_framing")
-        framing = [m for m in framing if isinstance(m, dict)] if isinstance(framing, list) else []
-        return str(name or ""), str(manifest.get("quantization") or "bf16"), framing
-    config = json.loads((adapter / "adapter_config.json").read_text())
-    return str(config.get("base_model_name_or_path") or ""), "bf16", []
+    """(base model, quantization, prompt framing) the adapter was trained with (engine.score)."""
+    from engine.score import adapter_facts as facts
 
-
-def framed_chat(row: dict[str, Any], system: str | None, framing: list[dict[str, str]]) -> list[dict[str, str]]:
-    """The chat for a row of a prompts file (checked by engine.data.jsonl.row_problem): a plain
-    ``prompt`` comes after ``framing`` (the turns training put before its questions), whose system
-    turn ``system`` replaces; ``messages`` (OpenAI's chat format) are sent as given, with ``system``
-    first where they have no system turn."""
-    from engine.data.prompts import row_messages
-
-    if "prompt" not in row:
-        return row_messages(row, system_prompt=system, one_shot=False)
-    head = [{"role": "system", "content": system}] if system else []
-    rest = [m for m in framing if m.get("role") != "system"]
-    return [*(head or [m for m in framing if m.get("role") == "system"]), *rest,
-            {"role": "user", "content": row["prompt"]}]
+    with adapter_errors():
+        return facts(adapter)
 
 
 def read_rows(path: Path, param: str) -> list[tuple[int, dict[str, Any]]]:
     """(line, row) of a JSONL file of prompts, each checked as an upload's rows are; a bad line is
     an error naming it."""
-    from engine.data.jsonl import parse_jsonl_lines
+    from engine.score import read_test_rows
+    from engine.types import TrainError
 
-    rows, errors = parse_jsonl_lines(path.read_bytes())
-    if errors:
-        raise typer.BadParameter(f"{path}: {'; '.join(errors)}", param_hint=param)
-    return rows
+    try:
+        return read_test_rows(path)
+    except TrainError as exc:
+        raise typer.BadParameter(str(exc), param_hint=param) from None
 
 
 def _prompts(prompt: list[str], prompts_file: Path | None, system: str | None,
@@ -247,36 +245,12 @@ def generate_cmd(
 
 def load_adapted(adapter: Path, base: str | None, quantization: str | None,
                  device: str) -> tuple[Any, Any, str, str, Any]:
-    """(model, tokenizer, base model, format, device): the adapter attached to its base (the one its
-    manifest names unless ``base``), held in the format it trained on unless ``quantization``."""
-    import torch
+    """(model, tokenizer, base model, format, device): engine.score.load_adapted, its errors
+    said as options to change."""
+    from engine.score import load_adapted as load
 
-    from engine.lora import load_peft_adapter, peft_lora_spec
-    from engine.model import load_model
-    from engine.model.load import compute_dtype
-    from engine.spec import QUANTIZATIONS
-    from engine.train_loop import pick_device
-    from engine.types import TrainError
-
-    trained_base, trained_format, _ = adapter_facts(adapter)
-    base_model = base or trained_base
-    if not base_model:
-        raise typer.BadParameter(f"{adapter} does not name its base model; give --base", param_hint="--base")
-    fmt = quantization or trained_format
-    if fmt not in QUANTIZATIONS:
-        raise typer.BadParameter(f"choose one of {', '.join(QUANTIZATIONS)}; got {fmt!r}", param_hint="--quantization")
-    try:
-        dev = pick_device(device)
-    except (TrainError, RuntimeError) as exc:
-        raise typer.BadParameter(str(exc), param_hint="--device") from None
-    try:
-        model, tokenizer = load_model(base_model, quantization=fmt, lora=peft_lora_spec(adapter), device=dev,
-                                      dtype=compute_dtype(dev), source_dtype=torch.bfloat16)
-        load_peft_adapter(model, adapter)
-    except (ValueError, FileNotFoundError, KeyError) as exc:
-        console.print(f"[red]cannot load {escape(base_model)} with the adapter in {adapter}: {escape(str(exc))}[/]")
-        raise typer.Exit(2) from None
-    return model, tokenizer, base_model, fmt, dev
+    with adapter_errors():
+        return load(adapter, base, quantization, device)
 
 
 def register(app: typer.Typer) -> None:

@@ -18,7 +18,7 @@ MAX_LIMIT = 10_000
 
 # What pollers run on every request (GET job, the events page, the SSE loop), built once: building
 # a select() costs more CPU than running it.
-_JOB = select(Job).where(Job.id == bindparam("job_id"), Job.project == bindparam("project"))
+_JOB = select(Job).where(Job.id == bindparam("job_id"), Job.project == bindparam("project"), Job.kind == bindparam("kind"))
 _JOB_FOR_UPDATE = _JOB.with_for_update()
 _EVENTS_DESC = (select(JobEvent).where(JobEvent.job_id == bindparam("job_id"))
                 .order_by(JobEvent.id.desc()).limit(bindparam("n")))
@@ -85,6 +85,11 @@ class Parent:
     lora: dict[str, Any]  # its LoraSpec fields
     path: str  # the archive, relative to the artifact store
     sha256: str
+    job_id: str = ""  # the job that trained it
+
+
+def _parent_of(a: Adapter) -> Parent:
+    return Parent(a.name, a.base_model, (a.manifest or {}).get("lora") or {}, a.path, a.sha256, a.job_id)
 
 
 _CHECKPOINT_NAME = re.compile(r"^(ft:.+):ckpt-step-(\d+)$")
@@ -96,7 +101,7 @@ def find_parent(session: Session, project: str, name: str) -> Parent | None:
     m = _CHECKPOINT_NAME.match(name)
     if m is None:
         a = get_adapter_by_name(session, project, name, for_update=True)
-        return Parent(a.name, a.base_model, (a.manifest or {}).get("lora") or {}, a.path, a.sha256) if a else None
+        return _parent_of(a) if a else None
     job = get_job(session, project, "ftjob-" + m.group(1).rsplit(":", 1)[-1])
     if job is None or (job.fine_tuned_model or fine_tuned_model_name(job)) != m.group(1):
         return None
@@ -105,7 +110,21 @@ def find_parent(session: Session, project: str, name: str) -> Parent | None:
                        .order_by(Checkpoint.created_at.desc()).limit(1).with_for_update())
     if c is None or c.adapter_path is None or c.adapter_sha256 is None:
         return None
-    return Parent(name, base_model_of(job), (job.spec or {}).get("lora") or {}, c.adapter_path, c.adapter_sha256)
+    return Parent(name, base_model_of(job), (job.spec or {}).get("lora") or {}, c.adapter_path, c.adapter_sha256,
+                  job.id)
+
+
+def find_model(session: Session, project: str, ref: str) -> Parent | None:
+    """The LoRA ``ref`` names in ``project``: a fine-tuned model or kept checkpoint (find_parent), a
+    succeeded job's id or an adapter id; its row locked against a concurrent delete."""
+    if ref.startswith("ft:"):
+        return find_parent(session, project, ref)
+    adapter_id = ref
+    if ref.startswith("ftjob-"):
+        job = get_job(session, project, ref)
+        adapter_id = job.adapter_id if job is not None and job.adapter_id else ""
+    a = get_adapter(session, project, adapter_id, for_update=True) if adapter_id.startswith("adapter-") else None
+    return _parent_of(a) if a else None
 
 
 def active_jobs_starting_from(session: Session, project: str, paths: set[str]) -> list[str]:
@@ -121,8 +140,10 @@ def mark_file_deleted(session: Session, file: File) -> None:
 
 
 # ---- jobs -----------------------------------------------------------------------------------
-def get_job(session: Session, project: str, job_id: str, *, for_update: bool = False) -> Job | None:
-    return session.scalar(_JOB_FOR_UPDATE if for_update else _JOB, {"job_id": job_id, "project": project})
+def get_job(session: Session, project: str, job_id: str, *, for_update: bool = False,
+            kind: str = "fine_tune") -> Job | None:
+    """One of the project's training jobs (``kind="eval"``: its evaluations)."""
+    return session.scalar(_JOB_FOR_UPDATE if for_update else _JOB, {"job_id": job_id, "project": project, "kind": kind})
 
 
 QUEUE_HOLDING = ("validating_files", "queued", "running", "pausing", "cancelling")  # waiting for or holding a worker
@@ -162,9 +183,9 @@ def insert_job(session: Session, job: Job, first_event: str) -> Job | None:
 
 
 def list_jobs(session: Session, project: str, *, after: str | None, limit: int, status: str | None,
-              metadata: dict[str, str] | None = None) -> tuple[list[Job], bool]:
+              metadata: dict[str, str] | None = None, kind: str = "fine_tune") -> tuple[list[Job], bool]:
     """``metadata``: every pair must be in the job's metadata ({} : jobs without metadata)."""
-    stmt = select(Job).where(Job.project == project)
+    stmt = select(Job).where(Job.project == project, Job.kind == kind)
     if status:
         stmt = stmt.where(Job.status == status)
     if metadata == {}:  # a JSON column stores Python's None as SQL NULL or as JSON null
@@ -176,7 +197,7 @@ def list_jobs(session: Session, project: str, *, after: str | None, limit: int, 
             stmt = stmt.where(select(pairs.c.key).where(pairs.c.key == k, pairs.c.value == v).exists())
         else:
             stmt = stmt.where(Job.user_metadata[k].as_string() == v)
-    cursor = get_job(session, project, after) if after else None
+    cursor = get_job(session, project, after, kind=kind) if after else None
     return page(session, newest_first_after(stmt, Job, cursor), limit)
 
 

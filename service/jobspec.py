@@ -52,6 +52,30 @@ def check_grader(grader: dict[str, Any], prefix: str = "") -> Grader:
         raise _invalid(prefix + (match.group(1) if match else "grader"), str(exc)) from None
 
 
+def usable_file(lookup_file: Callable[[str], File | None], param: str, file_id: str) -> File:
+    """The project's uploaded JSONL file ``file_id`` (purpose fine-tune), or 422 naming ``param``."""
+    f = lookup_file(file_id)
+    if f is None:
+        raise _invalid(param, f"{param}: no file {file_id!r} in this project; upload it with POST /v1/files "
+                              "(purpose=fine-tune) and pass the returned id", code="file_not_found")
+    if f.purpose != "fine-tune":
+        raise _invalid(param, f"{param}: file {file_id!r} has purpose {f.purpose!r}; upload it with "
+                              "purpose=fine-tune")
+    return f
+
+
+def check_file_fields(grader: Grader, f: File, param: str, file_id: str) -> None:
+    """422 naming ``param`` when rows of the file lack a field the grader reads (from the counts
+    taken at upload; an uncounted file is the worker's to check)."""
+    counts = getattr(f, "fields", None)
+    problem = counts is not None and (
+        missing_item_fields(grader.item_fields, counts, f.rows, f"{param} {file_id}")
+        or next((f"{param} {file_id}: {p}" for p in (g.check_field_counts(counts, f.rows)
+                                                     for g in leaves(grader)) if p), None))
+    if problem:
+        raise _invalid(param, problem)
+
+
 def _param_of(message: str) -> str:
     """The field a TrainSpec ValueError names, as a request param (``lora.r`` -> ``qerl.lora.r``)."""
     match = _FIELD.match(message)
@@ -208,13 +232,7 @@ def build_spec(body: JobCreate, lookup_file: Callable[[str], File | None],
     for param, file_id in (("training_file", body.training_file), ("validation_file", body.validation_file)):
         if file_id is None:
             continue
-        f = lookup_file(file_id)
-        if f is None:
-            raise _invalid(param, f"{param}: no file {file_id!r} in this project; upload it with POST /v1/files "
-                                  "(purpose=fine-tune) and pass the returned id", code="file_not_found")
-        if f.purpose != "fine-tune":
-            raise _invalid(param, f"{param}: file {file_id!r} has purpose {f.purpose!r}; upload it with "
-                                  "purpose=fine-tune")
+        f = usable_file(lookup_file, param, file_id)
         data["train_file" if param == "training_file" else "validation_file"] = f.path
         if param == "training_file":
             rows, prompts = f.rows, getattr(f, "prompts", None)
@@ -227,14 +245,8 @@ def build_spec(body: JobCreate, lookup_file: Callable[[str], File | None],
     if grader is not None:
         built = check_grader(grader, "method.reinforcement.")
         d["grader"] = grader
-        for param, file_id, f in files:  # fields counted at upload (None: not counted, the worker checks)
-            counts = getattr(f, "fields", None)
-            problem = counts is not None and (
-                missing_item_fields(built.item_fields, counts, f.rows, f"{param} {file_id}")
-                or next((f"{param} {file_id}: {p}" for p in (g.check_field_counts(counts, f.rows)
-                                                             for g in leaves(built)) if p), None))
-            if problem:
-                raise _invalid(param, problem)
+        for param, file_id, f in files:
+            check_file_fields(built, f, param, file_id)
     # the rows training draws from (a built-in task's questions; a malformed task is TrainSpec's to
     # name), and the distinct questions a held-out split takes: counted at upload, else (an older
     # upload) the rows

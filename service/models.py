@@ -75,6 +75,9 @@ class Job(Base):
     )
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("ftjob"))
     project: Mapped[str] = mapped_column(String(64), index=True)
+    # fine_tune (POST /v1/fine_tuning/jobs) | eval (POST /v1/evaluations: its adapter's archive is
+    # spec["init_adapter"], its test file validation_file, its scores outcome)
+    kind: Mapped[str] = mapped_column(String(16), default="fine_tune", server_default="fine_tune")
     model: Mapped[str] = mapped_column(String(255))
     status: Mapped[str] = mapped_column(String(24), default="queued")
     request: Mapped[dict[str, Any]] = mapped_column(JSON)  # the accepted request body, as sent
@@ -104,7 +107,8 @@ class Job(Base):
     error_param: Mapped[str | None] = mapped_column(String(255), nullable=True)
     fine_tuned_model: Mapped[str | None] = mapped_column(String(255), nullable=True)
     adapter_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
-    result_file_id: Mapped[str | None] = mapped_column(String(40), nullable=True)  # step_metrics.csv
+    result_file_id: Mapped[str | None] = mapped_column(String(40), nullable=True)  # step_metrics.csv (eval: rows)
+    outcome: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)  # an evaluation's scores
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)

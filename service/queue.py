@@ -283,8 +283,10 @@ def add_event(session: Session, job_id: str, attempt: int, message: str, *, leve
 
 def _ended(session: Session, job_id: str, status: str) -> None:
     """A job just ended (in the caller's transaction): queue its webhook event (OpenAI's
-    ``fine_tuning.job.<status>``), which the workers deliver when QERL_WEBHOOK_URL is set."""
-    session.add(WebhookEvent(type=f"fine_tuning.job.{status}", job_id=job_id))
+    ``fine_tuning.job.<status>``; an evaluation's ``evaluation.<status>``), which the workers
+    deliver when QERL_WEBHOOK_URL is set."""
+    kind = session.scalar(select(Job.kind).where(Job.id == job_id))
+    session.add(WebhookEvent(type=f"{'evaluation' if kind == 'eval' else 'fine_tuning.job'}.{status}", job_id=job_id))
 
 
 def latest_checkpoint(session: Session, job_id: str) -> Checkpoint | None:
@@ -294,9 +296,11 @@ def latest_checkpoint(session: Session, job_id: str) -> Checkpoint | None:
 
 # -- outcomes ---------------------------------------------------------------------------------
 def finish(session: Session, job_id: str, attempt: int, status: str, *, error_code: str | None = None,
-           error_message: str | None = None, adapter: Any = None, results: Any = None) -> str:
+           error_message: str | None = None, adapter: Any = None, results: Any = None,
+           outcome: dict[str, Any] | None = None) -> str:
     """End the job (fenced). ``adapter`` (an Adapter row) and ``results`` (the File row of its
-    step_metrics.csv, optional) go in with ``succeeded``.
+    step_metrics.csv, optional) go in with ``succeeded``; an evaluation's ``outcome`` (its scores)
+    and ``results`` (its rows) instead of an adapter.
 
     A job whose cancel arrived after the last heartbeat ends ``cancelled`` even if the run
     completed (the user was told it is cancelling); the status written is returned.
@@ -308,14 +312,17 @@ def finish(session: Session, job_id: str, attempt: int, status: str, *, error_co
         status = "cancelled"
     values: dict[str, Any] = dict(status=status, finished_at=utcnow(), lease_owner=None, lease_expires_at=None)
     if status == "succeeded":
-        if adapter is None:
-            raise ValueError("finish(succeeded) needs the Adapter row")
-        session.add(adapter)
+        if (adapter is None) == (outcome is None):
+            raise ValueError("finish(succeeded) needs the Adapter row (a training job) or the outcome (an evaluation)")
         if results is not None:
             session.add(results)
             values.update(result_file_id=results.id)
-        session.flush()  # assigns the id
-        values.update(adapter_id=adapter.id, fine_tuned_model=adapter.name)
+        if adapter is not None:
+            session.add(adapter)
+            session.flush()  # assigns the id
+            values.update(adapter_id=adapter.id, fine_tuned_model=adapter.name)
+        else:
+            values.update(outcome=outcome)
         msg, level = "The job has successfully completed", "info"
     elif status == "failed":
         values.update(error_code=error_code or "internal_error", error_message=error_message or "")

@@ -41,7 +41,8 @@ def _sql(stmt: Any) -> str:
     return str(stmt.compile(dialect=postgresql.psycopg.dialect()))
 
 
-_JOB = _sql(sql_select(*_columns(Job)).where(Job.id == bindparam("job_id"), Job.project == bindparam("project")))
+_JOB = _sql(sql_select(*_columns(Job)).where(Job.id == bindparam("job_id"), Job.project == bindparam("project"),
+                                             Job.kind == bindparam("kind")))
 _JOB_STATUS = _sql(sql_select(Job.status).where(Job.id == bindparam("job_id")))
 _EVENTS_DESC = _sql(sql_select(*_columns(JobEvent)).where(JobEvent.job_id == bindparam("job_id"))
                     .order_by(JobEvent.id.desc()).limit(bindparam("n")))
@@ -151,8 +152,8 @@ class PostgresReads:
             cur = await conn.execute(sql, params)
             return await cur.fetchall()
 
-    async def job(self, project: str, job_id: str) -> Any | None:
-        rows = await self._all(_JOB, {"job_id": job_id, "project": project})
+    async def job(self, project: str, job_id: str, kind: str = "fine_tune") -> Any | None:
+        rows = await self._all(_JOB, {"job_id": job_id, "project": project, "kind": kind})
         return rows[0] if rows else None
 
     async def queue_position(self, job_id: str) -> int | None:
@@ -200,8 +201,8 @@ class SessionReads:
 
         return await run_in_threadpool(read)
 
-    async def job(self, project: str, job_id: str) -> Any | None:
-        return await self._run(crud.get_job, project, job_id)
+    async def job(self, project: str, job_id: str, kind: str = "fine_tune") -> Any | None:
+        return await self._run(crud.get_job, project, job_id, kind=kind)
 
     async def queue_position(self, job_id: str) -> int | None:
         return (await self._run(queue.positions_of, [job_id])).get(job_id)

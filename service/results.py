@@ -1,5 +1,6 @@
 """A succeeded job's results file: OpenAI's ``result_files``, a CSV of every step's metrics
-(``step_metrics.csv``, purpose ``fine-tune-results``), read with the Files API."""
+(``step_metrics.csv``, purpose ``fine-tune-results``), read with the Files API; an evaluation's,
+every test row's answers and rewards as JSON lines (``evaluation_rows.jsonl``)."""
 from __future__ import annotations
 
 import csv
@@ -10,6 +11,7 @@ from service.models import JobMetric
 
 RESULTS_PURPOSE = "fine-tune-results"
 RESULTS_FILENAME = "step_metrics.csv"
+EVAL_ROWS_FILENAME = "evaluation_rows.jsonl"
 
 
 def step_metrics_csv(rows: Sequence[JobMetric]) -> bytes:

@@ -325,3 +325,54 @@ class GraderRunResult(BaseModel):
     sub_rewards: dict[str, float]  # a multi grader's sub-graders: the values calculate_output combined
     model_grader_token_usage_per_model: dict[str, Any] = Field(default_factory=dict)
     qerl: GraderRunQerl = Field(default_factory=GraderRunQerl)
+
+
+# ---- evaluations ----------------------------------------------------------------------------
+class EvaluationCreate(_BoundedIn):
+    """Score a fine-tuned model on test rows on a worker's GPU: one greedy answer per row with the
+    adapter and one from its base alone, graded as the job's held-out evaluation grades."""
+    model: str = Field(min_length=1, max_length=255, pattern=NO_CONTROL,
+                       description="a fine-tuned model (ft:...), a kept checkpoint (ft:...:ckpt-step-N), a succeeded "
+                                   "job's id (ftjob-...) or an adapter id (adapter-...)")
+    file: str = Field(max_length=255, pattern=NO_CONTROL,
+                      description="the test rows: an uploaded file (purpose fine-tune) in a training file's format")
+    grader: dict[str, Any] | None = Field(default=None, description="default: the grader the model trained with")
+    max_new_tokens: int | None = Field(default=None, ge=1, le=32768,
+                                       description="the longest answer (default: the rollouts' limit in training)")
+    limit: int | None = Field(default=None, ge=1, description="score the first N rows only")
+    compare_base: bool = Field(default=True, description="also score the base model alone")
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(default=None, max_length=16)
+
+
+class EvaluationResult(BaseModel):
+    """The ``eval/*`` metrics without their prefix (accuracy, reward_mean, reward/<part>,
+    completion_len_mean, truncated_frac, ...), the adapter's and the base's alone."""
+    fine_tuned: dict[str, float]
+    base: dict[str, float] | None = None
+    rows: int
+    base_model: str
+    quantization: str
+    device: str
+    max_new_tokens: int
+    grader: str
+
+
+class Evaluation(BaseModel):
+    id: str
+    object: Literal["evaluation"] = "evaluation"
+    created_at: int
+    started_at: int | None = None
+    finished_at: int | None = None
+    status: str
+    model: str
+    file: str | None
+    grader: dict[str, Any] | None
+    limit: int | None = None
+    max_new_tokens: int | None = None
+    compare_base: bool
+    metadata: dict[str, str] | None = None
+    error: JobError | None = None
+    result: EvaluationResult | None = None
+    result_files: list[str] = Field(default_factory=list, description="every row's answers and rewards (JSONL)")
+    queue_position: int | None = None
+    attempt: int = 0

@@ -111,3 +111,19 @@ def fine_tuned_model_name(job: m.Job) -> str:
     """OpenAI's pattern ``ft:<base>:<org>:<suffix>:<id>`` (the base model, also for a model trained
     further); the worker names adapters with it."""
     return f"ft:{base_model_of(job)}:{job.project}:{job.suffix or ''}:{job.id.removeprefix('ftjob-')}"
+
+
+def evaluation_view(j: m.Job, queue_position: int | None = None) -> s.Evaluation:
+    spec = j.spec or {}
+    error = None
+    if j.status == "failed" or j.error_code:
+        error = s.JobError(code=j.error_code or "failed", message=j.error_message or "the evaluation failed",
+                           param=j.error_param)
+    return s.Evaluation(
+        id=j.id, created_at=unix(j.created_at) or 0, started_at=unix(j.started_at), finished_at=unix(j.finished_at),
+        status=j.status, model=j.model, file=j.validation_file, grader=spec.get("grader"), limit=spec.get("limit"),
+        max_new_tokens=spec.get("max_new_tokens"), compare_base=bool(spec.get("compare_base", True)),
+        metadata=j.user_metadata, error=error,
+        result=s.EvaluationResult(**j.outcome) if j.outcome and j.status == "succeeded" else None,
+        result_files=[j.result_file_id] if j.result_file_id else [],
+        queue_position=queue_position if j.status == "queued" else None, attempt=j.attempt)

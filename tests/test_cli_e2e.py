@@ -547,6 +547,44 @@ def test_generate_fetches_a_jobs_adapter_from_the_server(cli_job: CliJob, qerl_s
     assert (out / "adapter_model.safetensors").read_bytes() == (cached / "adapter_model.safetensors").read_bytes()
 
 
+def test_eval_on_the_server_scores_as_a_local_eval_does(cli_job: CliJob, qerl_server: Served, tmp_path: Path) -> None:
+    """`qerl eval ftjob-... --on-server` uploads the test rows and creates an evaluation (POST
+    /v1/evaluations) that the server's worker runs: its numbers and every row's answers are those
+    of `qerl eval` on this machine (both on the CPU), and the evaluation keeps them (its result and
+    results file)."""
+    test = tmp_path / "test.jsonl"
+    test.write_bytes(jsonl(TRAIN_ROWS[:3]))
+    local = qerl_server.qerl("eval", cli_job.job_id, "--file", str(test), "--json", "--device", "cpu",
+                             "--output", str(tmp_path / "local.jsonl"), timeout=300)
+    assert local.returncode == 0, local.stderr
+    remote = qerl_server.qerl("eval", cli_job.job_id, "--file", str(test), "--json", "--on-server",
+                              "--output", str(tmp_path / "remote.jsonl"), timeout=300)
+    assert remote.returncode == 0, remote.stdout + remote.stderr + qerl_server.log_tail()
+    here, there = json.loads(local.stdout.splitlines()[-1]), json.loads(remote.stdout.splitlines()[-1])
+    assert (there["rows"], there["grader"], there["model"]) == (3, here["grader"], here["model"])
+    assert there["evaluation"].startswith("evaljob-") and there["ref"] == cli_job.job_id
+    for side in ("fine_tuned", "base"):
+        assert set(there[side]) == set(here[side]) and there[side]
+        assert all(abs(there[side][k] - here[side][k]) <= 1e-9 for k in here[side]), (side, here, there)
+    rows_here = [json.loads(line) for line in (tmp_path / "local.jsonl").read_text().splitlines()]
+    rows_there = [json.loads(line) for line in (tmp_path / "remote.jsonl").read_text().splitlines()]
+    assert [(r["completion"], r["base_completion"], r["reward"]) for r in rows_there] == \
+        [(r["completion"], r["base_completion"], r["reward"]) for r in rows_here]
+    with Client(base_url=qerl_server.url, api_key=qerl_server.api_key) as client:
+        ev = client.get(f"/v1/evaluations/{there['evaluation']}")
+        assert ev["status"] == "succeeded" and ev["model"] == cli_job.job["fine_tuned_model"]
+        assert ev["result"]["fine_tuned"] == there["fine_tuned"] and ev["result"]["device"] == "cpu"
+        assert [e["id"] for e in client.get("/v1/evaluations")["data"]][0] == ev["id"]
+        events = [e["message"] for e in client.get(f"/v1/evaluations/{ev['id']}/events")["data"]]
+        assert any(m.startswith(f"Scoring 3 rows of {ev['file']} with {ev['model']}") for m in events), events
+    table = qerl_server.qerl("eval", cli_job.job["fine_tuned_model"], "--file", str(test), "--on-server",
+                             "--no-compare", "--limit", "2", timeout=300)
+    assert table.returncode == 0 and "accuracy" in table.stdout and "base alone" not in table.stdout, table.stdout
+    assert "2 rows of" in " ".join(table.stdout.split()) and "on the server" in table.stdout, table.stdout
+    refused = qerl_server.qerl("eval", cli_job.job_id, "--task", "products", "--on-server")
+    assert refused.returncode == 2 and "--on-server" in refused.stdout + refused.stderr
+
+
 def test_empty_lists_say_so_and_how_to_fill_them(qerl_server: Served) -> None:
     """A project with nothing yet: each list says there is none and the command that makes one, not
     an empty table; a filter that matches nothing says which filter."""

@@ -1,6 +1,8 @@
 """A fine-tuning job through the real service on the GPU: the embedded server (SQLite, in-process
 worker) trains the tiny model on CUDA, the NVFP4 kernels and the CUDA-graph rollout engine doing
-the work, and the adapter it publishes downloads (sha256 checked) and loads in PEFT. Before it, a
+the work, and the adapter it publishes downloads (sha256 checked) and loads in PEFT, and an evaluation of it
+through the service (POST /v1/evaluations) scores it on the GPU as engine.score does in the test's
+process. Before it, a
 job capped below the model's size (``qerl.max_gpu_memory_gib``) fails ``out_of_memory`` in the
 same worker process, which must not leave the cap on the next job. Skipped without a CUDA GPU."""
 from __future__ import annotations
@@ -85,5 +87,24 @@ def test_a_service_job_trains_on_the_gpu(tmp_path: Path, tiny_model_dir: Path) -
                 plain = model(ids).logits
         assert torch.isfinite(tuned).all()
         assert (tuned - plain).abs().max() > 1e-6, "the trained adapter does not change the base model's logits"
+
+        # an evaluation through the service scores it on the GPU as engine.score scores it here, on the same GPU
+        from engine.score import evaluate_adapter, read_test_rows
+
+        (tmp_path / "test.jsonl").write_bytes(jsonl(TRAIN_ROWS[:4]))
+        ev = client.post("/v1/evaluations", {"model": job["id"], "file": client.upload_file(tmp_path / "test.jsonl")["id"]})
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        while ev["status"] not in ("succeeded", "failed", "cancelled"):
+            assert time.monotonic() < deadline, f"evaluation not done in {JOB_TIMEOUT_S:.0f} s:\n{served.log_tail()}"
+            time.sleep(0.5)
+            ev = client.get(f"/v1/evaluations/{ev['id']}")
+        assert ev["status"] == "succeeded", (ev.get("error"), served.log_tail())
+        assert ev["result"]["device"].startswith("cuda") and ev["result"]["rows"] == 4, ev["result"]
+        here = evaluate_adapter(out, read_test_rows(tmp_path / "test.jsonl"), device="cuda")
+        assert here is not None and here.base is not None
+        for side, ours in (("fine_tuned", here.fine_tuned), ("base", here.base)):
+            theirs = ev["result"][side]
+            assert set(theirs) == {k.removeprefix("eval/") for k in ours}, (side, theirs, ours)
+            assert all(abs(theirs[k.removeprefix("eval/")] - v) <= 1e-9 for k, v in ours.items()), (side, theirs, ours)
     finally:
         stop_server(served)

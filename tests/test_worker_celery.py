@@ -3,16 +3,20 @@ exclusive claims under duplicate messages, SIGKILL recovery from a checkpoint, c
 resume, fencing of a frozen worker, the sweeper, and warm shutdown."""
 from __future__ import annotations
 
+import hashlib
+import json
 import signal
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from sqlalchemy import select
 
 from service import queue
-from service.models import Checkpoint, Job, JobEvent, JobMetric
+from service.models import Adapter, Checkpoint, File, Job, JobEvent, JobMetric, new_id
 from tests._worker_fixtures import cancel_leftovers, events, make_job, tiny_spec, wait_for_status
+from tests.conftest import STRING_CHECK, jsonl
 
 pytestmark = pytest.mark.slow
 # Tests that need no reaper run with a lease a loaded machine cannot miss; the others with the
@@ -270,3 +274,51 @@ def test_warm_shutdown_requeues_and_another_worker_resumes(start_workers, pg_ses
         step = int(handback.rsplit(" ", 1)[1])
         assert step >= 4 and _metric_steps(s, jid, 2) == list(range(step + 1, 15))
         assert not any(m.startswith("Worker lost") for m in msgs)  # handed back, not reaped
+
+
+def test_an_evaluation_runs_on_a_worker_and_a_killed_one_is_run_again(start_workers, pg_sessions, worker_queue_env):
+    """An evaluation (a job row of kind eval) of a trained job's adapter runs on a Celery worker to
+    its scores and rows file; SIGKILLed mid-run, it is reaped and run again (attempt 2), to the
+    same scores as an evaluation of the same rows that nothing interrupted."""
+    workers = start_workers(2)
+    with pg_sessions() as s:
+        jid = make_job(s, tiny_spec("tiny", steps=1)).id
+    _wake(pg_sessions, jid)
+    trained = wait_for_status(pg_sessions, jid, "succeeded", timeout=180)
+    data = jsonl([{"prompt": f"What is {i} times {i + 1}?", "answer": str(i * (i + 1))} for i in range(96)])
+    file_id = new_id("file")
+    rel = f"files/{file_id}.jsonl"
+    (Path(worker_queue_env["ARTIFACT_DIR"]) / rel).parent.mkdir(parents=True, exist_ok=True)
+    (Path(worker_queue_env["ARTIFACT_DIR"]) / rel).write_bytes(data)
+    with pg_sessions() as s:
+        s.add(File(id=file_id, project="proj-test", filename="test.jsonl", purpose="fine-tune", bytes=len(data),
+                   sha256=hashlib.sha256(data).hexdigest(), path=rel, rows=96))
+        adapter = s.get(Adapter, trained.adapter_id)
+        spec = {"model": "tiny", "init_adapter": adapter.path, "grader": STRING_CHECK, "max_new_tokens": 32,
+                "compare_base": True}
+        ids = [make_job(s, spec, kind="eval", model=adapter.name, validation_file=file_id).id for _ in range(2)]
+    _wake(pg_sessions, ids[0])
+    whole = wait_for_status(pg_sessions, ids[0], ("succeeded", "failed"), timeout=180)
+    assert whole.status == "succeeded" and whole.attempt == 1, whole.error_message
+    _wake(pg_sessions, ids[1])
+
+    def scoring():
+        with pg_sessions() as s:
+            job = s.get(Job, ids[1])
+            said = [e.message for e in events(s, ids[1])]
+            return job if job.status == "running" and any(m.startswith("Scoring 96 rows") for m in said) else None
+
+    _owner(workers, _wait(scoring, 120, "the evaluation to start scoring")).kill(signal.SIGKILL)
+    done = wait_for_status(pg_sessions, ids[1], ("succeeded", "failed"), timeout=180)
+    assert done.status == "succeeded" and done.attempt == 2, done.error_message
+    with pg_sessions() as s:
+        said = [e.message for e in events(s, ids[1])]
+        assert any(m.startswith("Worker lost") for m in said), said
+        assert sum(m.startswith(f"Scoring 96 rows of {file_id} with {adapter.name}") for m in said) == 2, said
+        assert done.outcome == whole.outcome and done.outcome["rows"] == 96 and done.outcome["device"] == "cpu"
+        assert set(done.outcome["fine_tuned"]) == set(done.outcome["base"]) >= {"accuracy", "reward_mean"}
+        rows = s.get(File, done.result_file_id)
+        assert rows.rows == 96 and rows.filename == "evaluation_rows.jsonl"
+        lines = (Path(worker_queue_env["ARTIFACT_DIR"]) / rows.path).read_text().splitlines()
+        assert [json.loads(line)["index"] for line in lines] == list(range(96))
+        assert not s.get(Job, ids[1]).lease_owner

@@ -10,6 +10,7 @@ Every write is fenced by the attempt, so a worker that lost its lease changes no
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -28,7 +29,7 @@ from engine.spec import TrainSpec
 from engine.types import OOM_ADVICE, GraderUnavailable, TrainError, is_disk_full, is_out_of_memory
 from service import crud, queue
 from service.models import Adapter, Checkpoint, File, Job, new_id
-from service.results import RESULTS_FILENAME, RESULTS_PURPOSE, step_metrics_csv
+from service.results import EVAL_ROWS_FILENAME, RESULTS_FILENAME, RESULTS_PURPOSE, step_metrics_csv
 from service.storage import ArtifactStore, Corrupt, StoreUnavailable
 from service.views import base_model_of, fine_tuned_model_name
 from worker.artifacts import job_workdir, pack_adapter, pull_workdir, worker_store
@@ -69,12 +70,7 @@ def execute(ctx: WorkerContext, job: Job) -> str:
     log.info("job %s attempt %d: running on %s", job.id, job.attempt, ctx.worker_id)
     try:
         try:
-            spec, resume_from = keeper.retry(lambda: _prepare(ctx, job, store), "reading the job's files")
-            reporter = DBReporter(ctx.sessions, job.id, job.attempt, store=store, total_steps=spec.steps,
-                                  retry=keeper.retry, on_status=keeper.saw,
-                                  keep_checkpoint_adapters=spec.keep_checkpoint_adapters)
-            result = engine.train(spec, workdir=job_workdir(store.root, job.id), reporter=reporter,
-                                  should_stop=should_stop, resume_from=resume_from)
+            succeed = (_evaluate if job.kind == "eval" else _train)(ctx, keeper, job, store, should_stop)
         except queue.LeaseLost:
             return _lease_lost(job)
         except GraderUnavailable as exc:  # the engine saved a checkpoint: paused until the judge is back
@@ -90,13 +86,25 @@ def execute(ctx: WorkerContext, job: Job) -> str:
             return _lease_lost(job)
         if keeper.cancelled.is_set():
             return _end(ctx, keeper, job, "cancelled")
-        if result.stopped:  # paused if a pause was asked for, else handed back to the queue
+        if succeed is None:  # stopped: paused if a pause was asked for, else handed back to the queue
             reason = ("Worker process lost its parent" if keeper.orphaned.is_set() and not ctx.shutdown.is_set()
                       else "Worker shutting down")
             return _requeue(ctx, keeper, job, reason)
-        return _succeed(ctx, keeper, job, Path(result.adapter_dir), store)
+        return succeed()
     finally:
         keeper.stop()
+
+
+def _train(ctx: WorkerContext, keeper: LeaseKeeper, job: Job, store: ArtifactStore,
+           should_stop: Callable[[], bool]) -> Callable[[], str] | None:
+    """A training job's run (engine.train); what records its success, or None when it stopped."""
+    spec, resume_from = keeper.retry(lambda: _prepare(ctx, job, store), "reading the job's files")
+    reporter = DBReporter(ctx.sessions, job.id, job.attempt, store=store, total_steps=spec.steps,
+                          retry=keeper.retry, on_status=keeper.saw,
+                          keep_checkpoint_adapters=spec.keep_checkpoint_adapters)
+    result = engine.train(spec, workdir=job_workdir(store.root, job.id), reporter=reporter,
+                          should_stop=should_stop, resume_from=resume_from)
+    return None if result.stopped else lambda: _succeed(ctx, keeper, job, Path(result.adapter_dir), store)
 
 
 def _prepare(ctx: WorkerContext, job: Job, store: ArtifactStore) -> tuple[TrainSpec, Path | None]:
@@ -137,8 +145,9 @@ def _prepare(ctx: WorkerContext, job: Job, store: ArtifactStore) -> tuple[TrainS
 
 
 def _unpack_parent(s: Session, job: Job, rel: str, store: ArtifactStore) -> Path:
-    """The LoRA the job trains further (a fine-tuned model's or a kept checkpoint's), sha256-checked and unpacked into
-    the job's workdir (``init-adapter/``), afresh on every attempt."""
+    """The LoRA the job trains further (a fine-tuned model's or a kept checkpoint's; an evaluation's
+    adapter), sha256-checked and unpacked into the job's workdir (``init-adapter/``), afresh on every
+    attempt."""
     sha256 = (s.scalar(select(Adapter.sha256).where(Adapter.path == rel))
               or s.scalar(select(Checkpoint.adapter_sha256).where(Checkpoint.adapter_path == rel).limit(1)))
     try:
@@ -146,8 +155,9 @@ def _unpack_parent(s: Session, job: Job, rel: str, store: ArtifactStore) -> Path
             raise FileNotFoundError(rel)
         archive = store.verified(rel, sha256)
     except (FileNotFoundError, Corrupt) as exc:
-        raise TrainError("model_not_found", f"the fine-tuned model {job.model} that this job trains further is no "
-                                            f"longer available ({exc}); create the job from another model") from None
+        does = "this evaluation scores" if job.kind == "eval" else "this job trains further"
+        raise TrainError("model_not_found", f"the fine-tuned model {job.model} that {does} is no longer available "
+                                            f"({exc}); create it again with another model") from None
     dest = job_workdir(store.root, job.id) / "init-adapter"
     tmp = dest.with_name(f".tmp-init-adapter-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -157,6 +167,36 @@ def _unpack_parent(s: Session, job: Job, rel: str, store: ArtifactStore) -> Path
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
     return dest
+
+
+def _evaluate(ctx: WorkerContext, keeper: LeaseKeeper, job: Job, store: ArtifactStore,
+              should_stop: Callable[[], bool]) -> Callable[[], str] | None:
+    """An evaluation's run: the adapter's archive and the test file onto this host, then
+    engine.score.evaluate_adapter; what records its scores, or None when it stopped."""
+    from engine.score import evaluate_adapter, read_test_rows  # torch: only once a job runs
+
+    spec = job.spec or {}
+
+    def prepare() -> tuple[Path, Path]:
+        with ctx.sessions() as s:
+            return (_file_path(s, job.validation_file or "", "file", store),
+                    _unpack_parent(s, job, spec["init_adapter"], store))
+
+    test, adapter = keeper.retry(prepare, "reading the evaluation's files")
+    rows = read_test_rows(test)[:spec.get("limit") or None]
+    reporter = DBReporter(ctx.sessions, job.id, job.attempt, store=store, total_steps=0, retry=keeper.retry,
+                          on_status=keeper.saw)
+    alone = " and with its base alone" if spec.get("compare_base", True) else ""
+    reporter.event("info", f"Scoring {len(rows)} rows of {job.validation_file} with {job.model}{alone}")
+    try:
+        scored = evaluate_adapter(adapter, rows, grader=spec.get("grader"), max_new_tokens=spec.get("max_new_tokens"),
+                                  compare=bool(spec.get("compare_base", True)), ref=job.model,
+                                  where=f"file {job.validation_file}", should_stop=should_stop)
+    except GraderUnavailable as exc:  # no checkpoint to pause at: the evaluation ends, to be created again
+        raise TrainError("grader_unavailable", f"{exc}; create the evaluation again once it answers") from None
+    except ValueError as exc:  # a grader or adapter the engine cannot use
+        raise TrainError("invalid_request", str(exc)) from None
+    return None if scored is None else lambda: _succeed_eval(ctx, keeper, job, scored, store)
 
 
 def _file_path(s: Session, file_id: str, param: str, store: ArtifactStore) -> Path:
@@ -248,6 +288,40 @@ def _succeed(ctx: WorkerContext, keeper: LeaseKeeper, job: Job, adapter_dir: Pat
     return final
 
 
+def _succeed_eval(ctx: WorkerContext, keeper: LeaseKeeper, job: Job, scored: Any, store: ArtifactStore) -> str:
+    """An evaluation's scores into its row, every test row's answers and rewards into a results file."""
+    data = "".join(json.dumps(r) + "\n" for r in scored.records).encode()
+    try:
+        results = _stored_file(job, store, data, EVAL_ROWS_FILENAME, len(scored.records))
+    except Exception as exc:  # noqa: BLE001
+        code, message = _classify(exc, job.id, store.root)
+        return _end(ctx, keeper, job, "failed", error_code=code, error_message=message)
+    outcome = {"fine_tuned": _plain(scored.fine_tuned), "base": _plain(scored.base) if scored.base is not None else None,
+               "rows": scored.rows, "base_model": scored.model, "quantization": scored.quantization,
+               "device": scored.device, "max_new_tokens": scored.max_new_tokens, "grader": scored.grader}
+    final = _end(ctx, keeper, job, "succeeded", results=results, outcome=outcome)
+    if final != "succeeded":
+        store.delete(results.path)
+    return final
+
+
+def _plain(metrics: dict[str, float]) -> dict[str, float]:
+    return {k.removeprefix("eval/"): float(v) for k, v in metrics.items()}
+
+
+def _stored_file(job: Job, store: ArtifactStore, data: bytes, filename: str, rows: int) -> File:
+    """``data`` in the artifact store as a results file of the job, and its File row (not yet added:
+    it goes in with the job's success, so a job that does not end succeeded leaves only a file to delete)."""
+    file_id = new_id("file")
+    staged = store.stage([data])
+    try:
+        blob = staged.publish(f"files/{file_id}{Path(filename).suffix}")
+    finally:
+        staged.discard()  # a no-op once published
+    return File(id=file_id, project=job.project, filename=filename, purpose=RESULTS_PURPOSE,
+                bytes=blob.bytes, sha256=blob.sha256, path=blob.path, rows=rows, status="processed")
+
+
 def _results_file(ctx: WorkerContext, keeper: LeaseKeeper, job: Job, store: ArtifactStore) -> File:
     """step_metrics.csv in the artifact store, and its File row (not yet added: it goes in with
     the job's success, so a job that does not end succeeded leaves only a file to delete)."""
@@ -256,15 +330,7 @@ def _results_file(ctx: WorkerContext, keeper: LeaseKeeper, job: Job, store: Arti
             return step_metrics_csv(crud.all_metrics(s, job.id))
 
     data = keeper.retry(read, "reading the metrics for the results file")
-    file_id = new_id("file")
-    staged = store.stage([data])
-    try:
-        blob = staged.publish(f"files/{file_id}.csv")
-    finally:
-        staged.discard()  # a no-op once published
-    return File(id=file_id, project=job.project, filename=RESULTS_FILENAME, purpose=RESULTS_PURPOSE,
-                bytes=blob.bytes, sha256=blob.sha256, path=blob.path, rows=data.count(b"\n") - 1,
-                status="processed")
+    return _stored_file(job, store, data, RESULTS_FILENAME, data.count(b"\n") - 1)
 
 
 def _lease_lost(job: Job) -> str:

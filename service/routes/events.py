@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 import anyio
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import FileResponse, StreamingResponse
 from starlette.background import BackgroundTask
 from sqlalchemy.orm import Session
@@ -44,9 +44,17 @@ async def list_events(job_id: str, request: Request, key: CurrentKey,  # type: i
                       settings: SettingsDep, after: str | None = None,
                       limit: int = Query(20, ge=1, le=crud.MAX_LIMIT)):
     """Polled like the job itself: reads on the event loop (service.reads)."""
+    return await events_response(request, key.project, job_id, settings, after, limit)
+
+
+async def events_response(request: Request, project: str, job_id: str, settings: Any, after: str | None, limit: int,
+                          kind: str = "fine_tune") -> Response:
+    """A job's events (an evaluation's with ``kind="eval"``): a page, or the stream (``Accept:
+    text/event-stream``) until it ends."""
     reads = request.app.state.reads
-    if await reads.job(key.project, job_id) is None:
-        raise not_found("fine-tuning job", job_id, "fine_tuning_job_id")
+    if await reads.job(project, job_id, kind) is None:
+        raise (not_found("evaluation", job_id, "evaluation_id") if kind == "eval"
+               else not_found("fine-tuning job", job_id, "fine_tuning_job_id"))
     if "text/event-stream" in request.headers.get("accept", ""):
         start = parse_event_id(request.headers.get("last-event-id")) or 0
         stream = _stream(request, reads, job_id, start, settings.sse_poll_seconds, settings.sse_keepalive_seconds)

@@ -55,7 +55,7 @@ def wake(session: Session, job_id: str) -> None:
         log.exception("could not send the wake-up for job %s; the sweeper will retry", job_id)
 
 
-def _counted(store: ArtifactStore, f: File | None) -> File | None:
+def counted(store: ArtifactStore, f: File | None) -> File | None:
     """A file uploaded before uploads counted their fields and distinct prompts (migrations 0006 and
     0007) is counted the first time a job uses it, so that the job's checks and held-out split read
     the same numbers as a new upload's; the counts stay with the file once the job is created."""
@@ -78,9 +78,9 @@ def create_job(body: JobCreate, key: CurrentKey, session: SessionDep, settings: 
         earlier = crud.job_by_idempotency_key(session, key.project, idempotency_key)
         if earlier is not None:
             return _replay(earlier, digest)
-    model, spec = build_spec(body, lambda fid: _counted(store, crud.get_file(session, key.project, fid, for_update=True)),
+    model, spec = build_spec(body, lambda fid: counted(store, crud.get_file(session, key.project, fid, for_update=True)),
                              lambda name: crud.find_parent(session, key.project, name))
-    _check_active_limit(session, key.project, settings.max_active_jobs, "create another")
+    check_active_limit(session, key.project, settings.max_active_jobs, "create another")
     job = Job(id=new_id("ftjob"), project=key.project, model=model, status="queued", request=raw, spec=spec,
               training_file=body.training_file, validation_file=body.validation_file, seed=spec["seed"],
               suffix=body.suffix, user_metadata=body.metadata, idempotency_key=idempotency_key,
@@ -150,7 +150,7 @@ async def get_job(job_id: str, key: CurrentKey, request: Request) -> Response:
 ACTIVE_LIMIT_RETRY_S = 30
 
 
-def _check_active_limit(session: Session, project: str, limit: int, action: str) -> None:
+def check_active_limit(session: Session, project: str, limit: int, action: str) -> None:
     """429 when the project already has ``limit`` jobs waiting for or holding a worker (0: no limit)."""
     if not limit:
         return
@@ -164,20 +164,21 @@ def _check_active_limit(session: Session, project: str, limit: int, action: str)
                        headers={"Retry-After": str(ACTIVE_LIMIT_RETRY_S), "x-should-retry": "false"})
 
 
-def _transition(session: Session, project: str, job_id: str, change: Callable[[Session, Job], Job],
-                conflict_code: str) -> Job:
-    """Apply a queue transition to one of the project's jobs and commit it (409 if the job's state
-    does not allow it: nothing is written then)."""
+def transition(session: Session, project: str, job_id: str, change: Callable[[Session, Job], Job],
+               conflict_code: str, kind: str = "fine_tune") -> Job:
+    """Apply a queue transition to one of the project's jobs (``kind="eval"``: evaluations) and
+    commit it (409 if the job's state does not allow it: nothing is written then)."""
     from service import queue
 
-    job = crud.get_job(session, project, job_id)
+    what, param = ("evaluation", "evaluation_id") if kind == "eval" else ("fine-tuning job", "fine_tuning_job_id")
+    job = crud.get_job(session, project, job_id, kind=kind)
     if job is None:
-        raise not_found("fine-tuning job", job_id, "fine_tuning_job_id")
+        raise not_found(what, job_id, param)
     try:
         job = change(session, job)
     except queue.JobConflict as exc:
         session.rollback()
-        raise APIError(409, str(exc), code=conflict_code, param="fine_tuning_job_id") from None
+        raise APIError(409, str(exc), code=conflict_code, param=param) from None
     session.commit()
     return job
 
@@ -186,7 +187,7 @@ def _transition(session: Session, project: str, job_id: str, change: Callable[[S
 def cancel_job(job_id: str, key: CurrentKey, session: SessionDep) -> FineTuningJob:
     from service import queue
 
-    return job_view(_transition(session, key.project, job_id, queue.cancel, "job_not_cancellable"))
+    return job_view(transition(session, key.project, job_id, queue.cancel, "job_not_cancellable"))
 
 
 @router.post("/{job_id}/pause", response_model=FineTuningJob)
@@ -195,7 +196,7 @@ def pause_job(job_id: str, key: CurrentKey, session: SessionDep) -> FineTuningJo
     (within a step), freeing the worker for the next queued job."""
     from service import queue
 
-    return job_view(_transition(session, key.project, job_id, queue.pause, "job_not_pausable"))
+    return job_view(transition(session, key.project, job_id, queue.pause, "job_not_pausable"))
 
 
 @router.post("/{job_id}/resume", response_model=FineTuningJob)
@@ -205,10 +206,10 @@ def resume_job(job_id: str, key: CurrentKey, session: SessionDep, settings: Sett
 
     def resume(s: Session, job: Job) -> Job:
         if job.status == "paused":  # the other states answer as the transition does
-            _check_active_limit(s, key.project, settings.max_active_jobs, f"resume {job.id}")
+            check_active_limit(s, key.project, settings.max_active_jobs, f"resume {job.id}")
         return queue.resume(s, job)
 
-    job = _transition(session, key.project, job_id, resume, "job_not_resumable")
+    job = transition(session, key.project, job_id, resume, "job_not_resumable")
     view = _view(session, job)
     if job.status == "queued":  # a duplicate wake-up for a job that was already queued is harmless
         wake(session, job.id)
