@@ -15,6 +15,7 @@ _COMMANDS = (
     ("qerl.cli_plan", "plan"),
     ("qerl.cli_generate", "generate"),
     ("qerl.cli_eval", "eval"),
+    ("qerl.cli_evaluations", "evaluations"),
     ("qerl.cli_client", "files, jobs, adapters"),
     ("qerl.cli_graders", "graders"),
     ("qerl.demo", "demo"),

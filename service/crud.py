@@ -18,7 +18,8 @@ MAX_LIMIT = 10_000
 
 # What pollers run on every request (GET job, the events page, the SSE loop), built once: building
 # a select() costs more CPU than running it.
-_JOB = select(Job).where(Job.id == bindparam("job_id"), Job.project == bindparam("project"), Job.kind == bindparam("kind"))
+_JOB = select(Job).where(Job.id == bindparam("job_id"), Job.project == bindparam("project"),
+                         Job.kind == bindparam("kind"))
 _JOB_FOR_UPDATE = _JOB.with_for_update()
 _EVENTS_DESC = (select(JobEvent).where(JobEvent.job_id == bindparam("job_id"))
                 .order_by(JobEvent.id.desc()).limit(bindparam("n")))
@@ -183,9 +184,12 @@ def insert_job(session: Session, job: Job, first_event: str) -> Job | None:
 
 
 def list_jobs(session: Session, project: str, *, after: str | None, limit: int, status: str | None,
-              metadata: dict[str, str] | None = None, kind: str = "fine_tune") -> tuple[list[Job], bool]:
+              metadata: dict[str, str] | None = None, kind: str = "fine_tune",
+              model: str | None = None) -> tuple[list[Job], bool]:
     """``metadata``: every pair must be in the job's metadata ({} : jobs without metadata)."""
     stmt = select(Job).where(Job.project == project, Job.kind == kind)
+    if model:
+        stmt = stmt.where(Job.model == model)
     if status:
         stmt = stmt.where(Job.status == status)
     if metadata == {}:  # a JSON column stores Python's None as SQL NULL or as JSON null

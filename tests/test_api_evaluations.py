@@ -50,6 +50,8 @@ def test_an_evaluation_is_queued_listed_apart_and_cancelled(client, key_a, key_b
     listed = client.get("/v1/evaluations", headers=key_a.headers).json()
     assert [e["id"] for e in listed["data"]] == [own["id"], *[e["id"] for e in reversed(made)]]  # newest first
     assert client.get("/v1/evaluations?status=queued&limit=2", headers=key_a.headers).json()["has_more"] is True
+    by_model = client.get("/v1/evaluations", params={"model": adapter.name}, headers=key_a.headers).json()["data"]
+    assert len(by_model) == 4 and client.get("/v1/evaluations?model=ft:other", headers=key_a.headers).json()["data"] == []
     jobs = client.get("/v1/fine_tuning/jobs", headers=key_a.headers).json()["data"]
     assert [j["id"] for j in jobs] == [job_id]  # evaluations are not fine-tuning jobs
     got = client.get(f"/v1/evaluations/{own['id']}", headers=key_a.headers).json()

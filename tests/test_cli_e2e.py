@@ -583,6 +583,13 @@ def test_eval_on_the_server_scores_as_a_local_eval_does(cli_job: CliJob, qerl_se
     assert "2 rows of" in " ".join(table.stdout.split()) and "on the server" in table.stdout, table.stdout
     refused = qerl_server.qerl("eval", cli_job.job_id, "--task", "products", "--on-server")
     assert refused.returncode == 2 and "--on-server" in refused.stdout + refused.stderr
+    listed = qerl_server.qerl("evaluations", "list")  # and `qerl evaluations` shows, one by one, what ran
+    row = next(line for line in listed.stdout.splitlines() if ev["id"] in line)
+    assert "succeeded" in row and f"{there['fine_tuned']['accuracy']:.3f}" in row, listed.stdout
+    shown = qerl_server.qerl("evaluations", "get", ev["id"])
+    assert shown.returncode == 0 and "base alone" in shown.stdout and ev["result_files"][0] in shown.stdout
+    again = qerl_server.qerl("evaluations", "cancel", ev["id"])
+    assert again.returncode == 1 and "409" in again.stdout + again.stderr
 
 
 def test_empty_lists_say_so_and_how_to_fill_them(qerl_server: Served) -> None:

@@ -356,3 +356,44 @@ def test_a_job_that_stopped_early_shows_as_done(browser, cli_job: CliJob, qerl_s
         "const r = document.querySelector(`tr[data-job-id='${arguments[0]}'] td:nth-child(4)`);"
         "return [r.textContent, r.querySelector('.mini > span').style.width]", job_id)
     assert cell == ["1/5 early", "100%"], cell
+
+
+@needs_chromium
+def test_a_succeeded_jobs_adapter_is_evaluated_from_its_page(browser, cli_job: CliJob, qerl_server: Served) -> None:
+    """A succeeded job's page offers its adapter's evaluation on an uploaded file: the button creates
+    it (POST /v1/evaluations), the server's worker runs it, and its row shows the numbers the API
+    holds beside the base alone's, with every row's answers to download."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    driver = browser
+    driver.get(f"{qerl_server.url}/")
+    driver.execute_script("localStorage.setItem('qerl.apiKey', arguments[0])", qerl_server.api_key)
+    driver.get(f"{qerl_server.url}/#/jobs/{cli_job.job_id}")
+    driver.refresh()
+    _wait(driver, lambda d: d.find_elements(By.ID, "eval-run"), what="the evaluation form")
+    Select(driver.find_element(By.ID, "eval-file")).select_by_value(cli_job.file_id)  # the training rows, as a test
+    driver.find_element(By.ID, "eval-run").click()
+    row = "#evaluations-table tbody tr"
+    _wait(driver, lambda d: d.execute_script(
+        f"const r = document.querySelector('{row}'); return r && r.querySelector('[data-status]').dataset.status")
+          == "succeeded", timeout=300, what="the evaluation to succeed")
+    ev_id = driver.execute_script(f"return document.querySelector('{row}').dataset.evaluationId")
+    ev = httpx.get(f"{qerl_server.url}/v1/evaluations/{ev_id}", headers=qerl_server.headers).json()
+    assert (ev["model"], ev["file"], ev["status"]) == (cli_job.job["fine_tuned_model"], cli_job.file_id, "succeeded")
+    result = ev["result"]
+
+    def shown(k: str) -> str:
+        tuned, alone = result["fine_tuned"][k], result["base"][k]
+        return f"{float(f'{tuned:.3g}'):g} (base {float(f'{alone:.3g}'):g})"
+
+    cells = driver.execute_script(
+        f"const r = document.querySelector('{row}'); return [r.querySelector('.eval-accuracy').textContent,"
+        " r.querySelector('.eval-reward').textContent]")
+    assert cells == [shown("accuracy"), shown("reward_mean")], (cells, result)
+    driver.find_element(By.CSS_SELECTOR, f"{row} .eval-rows").click()
+    _wait(driver, lambda d: d.execute_script(
+        f"return document.querySelector('{row} .eval-rows').nextSibling.nextSibling.textContent")
+          in ("sha256 verified", "downloaded"), what="the rows download")
+    ARTIFACTS.mkdir(exist_ok=True)
+    driver.save_screenshot(str(ARTIFACTS / "dashboard-evaluation.png"))

@@ -63,12 +63,14 @@ def create_evaluation(body: EvaluationCreate, key: CurrentKey, session: SessionD
 
 @router.get("", response_model=ListPage[Evaluation])
 def list_evaluations(key: CurrentKey, session: ReadSessionDep, after: str | None = None,
-                     limit: int = Query(20, ge=1, le=crud.MAX_LIMIT), status: str | None = None) -> ListPage[Evaluation]:
-    """Newest first; ``status=`` filters."""
+                     limit: int = Query(20, ge=1, le=crud.MAX_LIMIT), status: str | None = None,
+                     model: str | None = Query(None, max_length=255)) -> ListPage[Evaluation]:
+    """Newest first; ``status=`` and ``model=`` (the fine-tuned model or checkpoint scored) filter."""
     if status is not None and status not in STATUSES:
         raise APIError(422, f"Invalid value for 'status': {status!r}; use one of {', '.join(STATUSES)}.",
                        code="invalid_value", param="status")
-    rows, more = crud.list_jobs(session, key.project, after=after, limit=limit, status=status, kind="eval")
+    rows, more = crud.list_jobs(session, key.project, after=after, limit=limit, status=status, kind="eval",
+                                model=model)
     from service import queue
 
     positions = queue.positions_of(session, [j.id for j in rows if j.status == "queued"])

@@ -403,11 +403,55 @@
       document.querySelector('#checkpoints tbody').replaceChildren(...rows);
     }
 
+    // Evaluations of the adapter (POST /v1/evaluations): run by the server's workers, listed
+    // newest first, re-read every 2 s while one is queued or running.
+    let evalModel = null, evalTimer = null;
+    async function loadEvaluations() {
+      clearTimeout(evalTimer);
+      const [files, page] = await Promise.all([
+        getJSON('/v1/files?purpose=fine-tune&limit=500', { signal: abort.signal }),
+        getJSON(`/v1/evaluations?limit=100&model=${encodeURIComponent(evalModel)}`, { signal: abort.signal })]);
+      const chosen = (document.getElementById('eval-file') || {}).value;
+      const pick = el('select', { id: 'eval-file' }, ...files.data.map(
+        (f) => el('option', { value: f.id, selected: f.id === chosen }, `${f.filename} (${f.id})`)));
+      const said = el('span', { class: 'muted', id: 'eval-said' });
+      const run = el('button', { type: 'button', id: 'eval-run', disabled: !pick.options.length, onclick: async () => {
+        run.disabled = true;
+        try {
+          await getJSON('/v1/evaluations', { method: 'POST', headers: { 'Content-Type': 'application/json' },
+            body: JSON.stringify({ model: evalModel, file: pick.value }) });
+          await loadEvaluations();
+        } catch (e) { said.textContent = e.message; said.className = 'error'; run.disabled = false; }
+      } }, 'Evaluate on this file');
+      const side = (r, k) => (r ? `${fmt(num(r.fine_tuned[k]))}${r.base ? ` (base ${fmt(num(r.base[k]))})` : ''}` : '–');
+      const rows = page.data.map((ev) => {
+        const done = el('span', { class: 'muted' });
+        const get = ev.result_files.length ? el('button', { type: 'button', class: 'eval-rows', onclick: () => download(
+          `/v1/files/${ev.result_files[0]}/content`, `${ev.id}-rows.jsonl`, null, done) }, 'rows (.jsonl)') : '';
+        return el('tr', { 'data-evaluation-id': ev.id },
+          el('td', { class: 'wrap' }, ev.id), el('td', {}, ev.file || '–'), el('td', {}, badge(ev.status)),
+          el('td', { class: 'eval-accuracy' }, side(ev.result, 'accuracy')),
+          el('td', { class: 'eval-reward' }, side(ev.result, 'reward_mean')),
+          el('td', {}, get, ' ', done, ev.error ? el('span', { class: 'error' }, `${ev.error.code}: ${ev.error.message}`) : ''));
+      });
+      document.getElementById('evaluations').replaceChildren(
+        el('p', {}, pick, ' ', run, ' ', said),
+        el('table', { class: 'grid', id: 'evaluations-table' },
+          el('thead', {}, el('tr', {}, ...['Evaluation', 'File', 'Status', 'Accuracy', 'Reward', 'Rows'].map((h) => el('th', {}, h)))),
+          el('tbody', {}, ...rows)),
+        el('pre', { class: 'cmd' }, `qerl eval ${jobId} --file test.jsonl --on-server`));
+      if (!disposed && page.data.some((ev) => !TERMINAL.includes(ev.status))) {
+        evalTimer = setTimeout(() => loadEvaluations().catch(() => {}), 2000);
+      }
+    }
+
     let adapterShown = null;
     async function showAdapter(adapterId, resultFiles) {
       if (adapterShown === adapterId) return;
       adapterShown = adapterId;
       const a = await getJSON(`/v1/adapters/${adapterId}`, { signal: abort.signal });
+      evalModel = a.name;
+      loadEvaluations().catch(() => {});
       const status = el('span', { class: 'muted' });
       const button = el('button', { type: 'button', id: 'adapter-download', onclick: () => download(`/v1/adapters/${a.id}/content`, `${a.id}.tar.gz`, a.sha256, status) },
         'Download adapter (.tar.gz)');
@@ -542,6 +586,7 @@
         abort.abort();
         clearTimeout(timer);
         clearTimeout(metricsReload);
+        clearTimeout(evalTimer);
         if (redraw) cancelAnimationFrame(redraw);
         charts.forEach((c) => c.dispose());
       },
