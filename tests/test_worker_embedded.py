@@ -2,6 +2,7 @@
 tiny model, with the same claim/lease/run code as the Celery workers."""
 from __future__ import annotations
 
+import hashlib
 import time
 from datetime import timedelta
 
@@ -10,9 +11,10 @@ from sqlalchemy import select
 
 from service import queue
 from service.db import make_engine, make_sessionmaker
-from service.models import Job, JobMetric, utcnow
+from service.models import Adapter, File, Job, JobMetric, utcnow
 from service.settings import Settings
 from tests._worker_fixtures import cancel_leftovers, events, make_job, tiny_spec, wait_for_status
+from tests.conftest import STRING_CHECK, jsonl
 from worker.embedded import start_embedded_worker
 
 
@@ -182,3 +184,33 @@ def test_maintenance_runs_while_a_job_does(lite, settings):
     finally:
         worker.stop(timeout=60)
         receiver.server.shutdown()
+
+
+def test_an_evaluation_the_worker_cannot_run_fails_with_the_reason(lite, embedded, settings):
+    """An evaluation whose rows lack a field its grader reads (a file uploaded before fields were
+    counted: the worker checks it) fails ``invalid_file`` naming the line, before any model loads;
+    one whose adapter archive is gone fails ``model_not_found``; neither leaves a results file."""
+    embedded()
+    with lite() as s:
+        jid = make_job(s, tiny_spec("tiny", steps=1)).id
+        queue.wake(jid, s)
+    trained = wait_for_status(lite, jid, "succeeded", timeout=120)
+    data = jsonl([{"prompt": "What is 2 + 2?", "answer": "4"}, {"prompt": "What is 3 + 3?"}])
+    (settings.artifact_dir / "files").mkdir(parents=True, exist_ok=True)
+    (settings.artifact_dir / "files" / "test.jsonl").write_bytes(data)
+    with lite() as s:
+        f = File(project="proj-test", filename="test.jsonl", purpose="fine-tune", bytes=len(data),
+                 sha256=hashlib.sha256(data).hexdigest(), path="files/test.jsonl", rows=2)  # fields: not counted
+        s.add(f)
+        s.commit()
+        adapter = s.get(Adapter, trained.adapter_id)
+        spec = {"model": "tiny", "init_adapter": adapter.path, "grader": STRING_CHECK, "compare_base": True}
+        lacking = make_job(s, spec, kind="eval", model=adapter.name, validation_file=f.id).id
+        gone = make_job(s, {**spec, "init_adapter": "adapters/no-such.tar.gz"}, kind="eval", model=adapter.name,
+                        validation_file=f.id).id
+        queue.wake(lacking, s)
+        queue.wake(gone, s)
+    for eid, code, said in ((lacking, "invalid_file", "line 2"), (gone, "model_not_found", "that this evaluation scores")):
+        done = wait_for_status(lite, eid, ("succeeded", "failed"), timeout=120)
+        assert (done.status, done.error_code) == ("failed", code), (done.error_code, done.error_message)
+        assert said in done.error_message and done.result_file_id is None and done.outcome is None, done.error_message

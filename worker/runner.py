@@ -194,6 +194,8 @@ def _evaluate(ctx: WorkerContext, keeper: LeaseKeeper, job: Job, store: Artifact
                                   where=f"file {job.validation_file}", should_stop=should_stop)
     except GraderUnavailable as exc:  # no checkpoint to pause at: the evaluation ends, to be created again
         raise TrainError("grader_unavailable", f"{exc}; create the evaluation again once it answers") from None
+    except TrainError:  # the rows, or the grader's own failure: as the engine says it
+        raise
     except ValueError as exc:  # a grader or adapter the engine cannot use
         raise TrainError("invalid_request", str(exc)) from None
     return None if scored is None else lambda: _succeed_eval(ctx, keeper, job, scored, store)
