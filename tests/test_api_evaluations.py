@@ -42,9 +42,13 @@ def test_an_evaluation_is_queued_listed_apart_and_cancelled(client, key_a, key_b
         assert (ev["model"], ev["file"], ev["limit"], ev["compare_base"]) == (adapter.name, test_id, 3, True)
         assert ev["grader"] == STRING_CHECK  # the training job's own
         assert ev["result"] is None and ev["result_files"] == [] and ev["queue_position"] >= 1
-    own = client.post("/v1/evaluations", headers=key_a.headers,
-                      json={"model": adapter.name, "file": test_id, "compare_base": False, "max_new_tokens": 16,
-                            "grader": {**STRING_CHECK, "operation": "like"}}).json()
+    own_body = {"model": adapter.name, "file": test_id, "compare_base": False, "max_new_tokens": 16,
+                "grader": {**STRING_CHECK, "operation": "like"}}
+    once = {**key_a.headers, "Idempotency-Key": "eval-once"}
+    own = client.post("/v1/evaluations", headers=once, json=own_body).json()
+    assert client.post("/v1/evaluations", headers=once, json=own_body).json()["id"] == own["id"]  # a retry: the same
+    assert_error(client.post("/v1/evaluations", headers=once, json={**own_body, "limit": 2}), 422,
+                 "Idempotency-Key", "idempotency_key_reused")
     assert own["grader"]["operation"] == "like" and (own["compare_base"], own["max_new_tokens"]) == (False, 16)
 
     listed = client.get("/v1/evaluations", headers=key_a.headers).json()

@@ -7,7 +7,9 @@ engine.score.evaluate_adapter on the adapter's archive and the test file, and wr
 """
 from __future__ import annotations
 
-from fastapi import APIRouter, Query, Request, Response
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query, Request, Response
 
 from engine import registry
 from service import crud
@@ -17,7 +19,7 @@ from service.errors import APIError, not_found
 from service.jobspec import check_file_fields, check_grader, usable_file
 from service.models import Job, new_id
 from service.routes.events import events_response
-from service.routes.jobs import STATUSES, check_active_limit, counted, transition, wake
+from service.routes.jobs import STATUSES, check_active_limit, counted, replay, request_hash, transition, wake
 from service.schemas import Evaluation, EvaluationCreate, FineTuningJobEvent, ListPage
 from service.views import evaluation_view
 
@@ -26,7 +28,15 @@ router = APIRouter(prefix="/evaluations", tags=["evaluations"], route_class=Rele
 
 @router.post("", response_model=Evaluation)
 def create_evaluation(body: EvaluationCreate, key: CurrentKey, session: SessionDep, settings: SettingsDep,
-                      store: StoreDep) -> Evaluation:
+                      store: StoreDep, idempotency_key: Annotated[str | None, Header(max_length=255)] = None
+                      ) -> Evaluation:
+    """Queued for a worker; a retry with the same Idempotency-Key and body gets the same evaluation."""
+    raw = body.model_dump(mode="json", exclude_unset=True)
+    digest = request_hash(raw)
+    if idempotency_key is not None:
+        earlier = crud.job_by_idempotency_key(session, key.project, idempotency_key)
+        if earlier is not None:
+            return replay(earlier, digest, evaluation_view)
     source = crud.find_model(session, key.project, body.model)
     if source is None:
         raise APIError(422, f"no fine-tuned model, kept checkpoint, succeeded job or adapter {body.model!r} in this "
@@ -51,9 +61,11 @@ def create_evaluation(body: EvaluationCreate, key: CurrentKey, session: SessionD
             "grader": grader, "limit": body.limit, "max_new_tokens": body.max_new_tokens,
             "compare_base": body.compare_base}
     job = Job(id=new_id("evaljob"), kind="eval", project=key.project, model=source.name, status="queued",
-              request=body.model_dump(mode="json", exclude_unset=True), spec=spec, validation_file=f.id,
-              seed=0, user_metadata=body.metadata, max_attempts=settings.max_attempts)
-    crud.insert_job(session, job, f"Created evaluation: {job.id}")
+              request=raw, spec=spec, validation_file=f.id, seed=0, user_metadata=body.metadata,
+              idempotency_key=idempotency_key, request_hash=digest, max_attempts=settings.max_attempts)
+    if crud.insert_job(session, job, f"Created evaluation: {job.id}") is None:  # a concurrent twin won
+        return replay(crud.job_by_idempotency_key(session, key.project, idempotency_key or ""), digest,
+                      evaluation_view)
     from service import queue
 
     view = evaluation_view(job, queue.positions_of(session, [job.id]).get(job.id))

@@ -29,13 +29,13 @@ def request_hash(body: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def _replay(job: Job, digest: str) -> FineTuningJob:
-    """The job an earlier request with the same Idempotency-Key created, if the body matches."""
+def replay(job: Job, digest: str, view: Callable[[Job], Any] = job_view) -> Any:
+    """The job (or evaluation) an earlier request with the same Idempotency-Key created, if the body matches."""
     if job.request_hash != digest:
         raise APIError(422, "This Idempotency-Key was already used with a different request body (job "
                             f"{job.id}). Send the same body to get that job back, or use a new key.",
                        code="idempotency_key_reused", param="Idempotency-Key")
-    return job_view(job)
+    return view(job)
 
 
 def _view(session: Session, job: Job) -> FineTuningJob:
@@ -77,7 +77,7 @@ def create_job(body: JobCreate, key: CurrentKey, session: SessionDep, settings: 
     if idempotency_key is not None:
         earlier = crud.job_by_idempotency_key(session, key.project, idempotency_key)
         if earlier is not None:
-            return _replay(earlier, digest)
+            return replay(earlier, digest)
     model, spec = build_spec(body, lambda fid: counted(store, crud.get_file(session, key.project, fid, for_update=True)),
                              lambda name: crud.find_parent(session, key.project, name))
     check_active_limit(session, key.project, settings.max_active_jobs, "create another")
@@ -90,7 +90,7 @@ def create_job(body: JobCreate, key: CurrentKey, session: SessionDep, settings: 
         if earlier is None:  # pragma: no cover - the winner's row must be visible after its commit
             raise APIError(409, "A concurrent request with this Idempotency-Key is in progress; retry.",
                            code="idempotency_conflict")
-        return _replay(earlier, digest)
+        return replay(earlier, digest)
     view = _view(session, job)
     wake(session, job.id)
     return view
