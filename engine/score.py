@@ -130,6 +130,46 @@ def read_test_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
     return rows
 
 
+def task_rows(task: str, size: int, seed: int | None,
+              manifest: dict[str, Any]) -> tuple[list[tuple[None, dict[str, Any]]], str]:
+    """``size`` questions of a reasoning-gym task as test rows (each row the task's entry, its
+    question the prompt), and what they are. Where the adapter trained on that task (its manifest's
+    ``dataset``), they come with its config, from another seed (one past its own unless ``seed``),
+    and without the questions it trained on (its whole dataset: the held-out ones included). A task
+    that cannot be built, or whose every question it trained on, is a ValueError."""
+    from engine.data.builtin import reasoning_gym_entries
+
+    trained = manifest.get("dataset") if isinstance(manifest.get("dataset"), dict) else None
+    trained = trained if trained is not None and trained.get("task") == task else None
+    job_seed = int(manifest.get("seed") or 0)
+    first = int(trained.get("seed", job_seed)) if trained is not None else job_seed
+    try:
+        seen = {e["question"] for e in reasoning_gym_entries(trained, job_seed)[0]} if trained is not None else set()
+        record = {"source": "reasoning_gym", "task": task, "size": size + len(seen),
+                  "seed": first + 1 if seed is None else seed,
+                  **({"config": trained["config"]} if trained is not None and trained.get("config") else {})}
+        entries, _ = reasoning_gym_entries(record, 0)
+    except TrainError as exc:
+        raise ValueError(str(exc).replace("data.dataset.", "")) from None
+    fresh: list[dict[str, Any]] = []
+    skipped = 0
+    for e in entries:
+        if len(fresh) == size:
+            break
+        if e["question"] in seen:
+            skipped += 1
+        else:
+            fresh.append(e)
+    if not fresh:
+        raise ValueError(f"every one of the {len(entries)} questions of {task} that seed {record['seed']} gives is "
+                         f"among the {len(seen)} the adapter trained on: with its config the task has too few "
+                         "questions to hold any out; give a file of test rows")
+    said = f"questions of reasoning-gym's {task} (seed {record['seed']})"
+    if trained is not None:
+        said += f", {skipped} that the adapter trained on left out"
+    return [(None, {"prompt": e["question"], **e}) for e in fresh], said
+
+
 def framed_chat(row: dict[str, Any], system: str | None, framing: list[dict[str, str]]) -> list[dict[str, str]]:
     """The chat for a row of a prompts file (checked by engine.data.jsonl.row_problem): a plain
     ``prompt`` comes after ``framing`` (the turns training put before its questions), whose system

@@ -130,10 +130,11 @@ def eval_cmd(
         raise typer.BadParameter("give the test rows: --file test.jsonl, or --task NAME for fresh questions of a "
                                  "reasoning-gym task (not both)", param_hint="--file")
     if on_server:
-        _check_on_server(adapter_refs or [], task, system, framing, base, quantization, checkpoint, device)
+        _check_on_server(adapter_refs or [], system, framing, base, quantization, checkpoint, device)
     refs = _refs(adapter_refs or [], sweep, base_url, api_key)
-    if on_server and file is not None:
-        return _eval_on_server(refs, file, grader, limit, max_new_tokens, compare, show, output, as_json,
+    if on_server:
+        questions = {"task": task, "size": size, **({"seed": seed} if seed is not None else {})} if task else None
+        return _eval_on_server(refs, file, questions, grader, limit, max_new_tokens, compare, show, output, as_json,
                                base_url, api_key)
     if checkpoint is not None and len(refs) > 1:
         raise typer.BadParameter("--checkpoint picks a checkpoint of one job: give one ADAPTER",
@@ -201,12 +202,11 @@ def _print_scores(columns: list[tuple[str, dict[str, float]]], alone: dict[str, 
         _show([r for r in reversed(changed) if r["reward"] < r["base_reward"]][:show], "worse with the adapter")
 
 
-def _check_on_server(given: list[str], task: str | None, system: str | None, framing: bool, base: str | None,
+def _check_on_server(given: list[str], system: str | None, framing: bool, base: str | None,
                      quantization: str | None, checkpoint: int | None, device: str) -> None:
-    """--on-server scores a test file with the adapters as they trained, on the server's device."""
+    """--on-server scores the adapters as they trained, on the server's device."""
     local = [ref for ref in given if not ref.startswith(SERVER_REFS)]
-    for wrong, option, fix in ((task is not None, "--task", "give a --file of test rows"),
-                               (bool(local), "ADAPTER", f"{', '.join(local)} is not on the server: give a job id, "
+    for wrong, option, fix in ((bool(local), "ADAPTER", f"{', '.join(local)} is not on the server: give a job id, "
                                                         "adapter id or ft: model, or leave out --on-server"),
                                (checkpoint is not None, "--checkpoint", "give the checkpoint's name "
                                                                         "(ft:...:ckpt-step-N) as ADAPTER"),
@@ -218,15 +218,15 @@ def _check_on_server(given: list[str], task: str | None, system: str | None, fra
             raise typer.BadParameter(f"{option} does not go with --on-server: {fix}", param_hint=option)
 
 
-def _eval_on_server(refs: list[str], file: Path, grader: str | None, limit: int | None, max_new_tokens: int | None,
-                    compare: bool, show: int, output: Path | None, as_json: bool, base_url: str | None,
-                    api_key: str | None) -> None:
+def _eval_on_server(refs: list[str], file: Path | None, questions: dict[str, Any] | None, grader: str | None,
+                    limit: int | None, max_new_tokens: int | None, compare: bool, show: int, output: Path | None,
+                    as_json: bool, base_url: str | None, api_key: str | None) -> None:
     """--on-server: the evaluations' numbers and rows, printed as a local run's."""
     from qerl.cli_client import err
     from qerl.cli_eval_server import score_on_server
 
     config = load_spec(grader, 'a grader such as {"type": "string_check", ...}') if grader is not None else None
-    scores = score_on_server(refs, file, config, limit=limit, max_new_tokens=max_new_tokens, compare=compare,
+    scores = score_on_server(refs, file, questions, config, limit=limit, max_new_tokens=max_new_tokens, compare=compare,
                              base_url=base_url, api_key=api_key, say=lambda m: err.print(f"[dim]{escape(m)}[/]"))
     results = [s.evaluation["result"] for s in scores]
     alone = results[0]["base"]
@@ -235,15 +235,17 @@ def _eval_on_server(refs: list[str], file: Path, grader: str | None, limit: int 
     if as_json:
         for s, res in zip(scores, results):
             print(json.dumps({"evaluation": s.evaluation["id"], "ref": s.ref, "model": res["base_model"],
-                              "quantization": res["quantization"], "device": res["device"], "file": str(file),
-                              "task": None, "rows": res["rows"], "max_new_tokens": res["max_new_tokens"],
+                              "quantization": res["quantization"], "device": res["device"],
+                              "file": str(file) if file is not None else None,
+                              "task": questions["task"] if questions else None, "rows": res["rows"], "max_new_tokens": res["max_new_tokens"],
                               "grader": res["grader"], "fine_tuned": res["fine_tuned"], "base": alone}), flush=True)
         return
     _print_scores([(s.ref, _prefixed(res["fine_tuned"])) for s, res in zip(scores, results)],
                   _prefixed(alone) if alone is not None else None, scores[0].rows, show)
     first = results[0]
     where = scores[0].ref if len(scores) == 1 else f"{len(scores)} adapters"
-    console.print(f"[dim]{first['rows']} rows of {escape(str(file))}, greedy, at most {first['max_new_tokens']} new "
+    source = f"rows of {file}" if file is not None else f"questions of reasoning-gym's {(questions or {})['task']}"
+    console.print(f"[dim]{first['rows']} {escape(source)}, greedy, at most {first['max_new_tokens']} new "
                   f"tokens; {escape(first['base_model'])} ({first['quantization']}) with {escape(where)}, on the "
                   f"server ({first['device']}); graded by {escape(str(first['grader']))}[/]")
     if output is not None:
@@ -275,43 +277,13 @@ def _refs(given: list[str], sweep: str | None, base_url: str | None, api_key: st
 
 def _task_rows(task: str, size: int, seed: int | None,
                manifest: dict[str, Any]) -> tuple[list[tuple[None, dict[str, Any]]], str]:
-    """``size`` questions of a reasoning-gym task as test rows (each row the task's entry, its
-    question the prompt), and what they are. Where the adapter trained on that task (its manifest's
-    ``dataset``), they come with its config, from another seed, and without the questions it trained
-    on (its whole dataset: the held-out ones included)."""
-    from engine.data.builtin import reasoning_gym_entries
-    from engine.types import TrainError
+    """engine.score.task_rows, its errors said as --task's."""
+    from engine.score import task_rows
 
-    trained = manifest.get("dataset") if isinstance(manifest.get("dataset"), dict) else None
-    trained = trained if trained is not None and trained.get("task") == task else None
-    job_seed = int(manifest.get("seed") or 0)
-    first = int(trained.get("seed", job_seed)) if trained is not None else job_seed
     try:
-        seen = {e["question"] for e in reasoning_gym_entries(trained, job_seed)[0]} if trained is not None else set()
-        record = {"source": "reasoning_gym", "task": task, "size": size + len(seen),
-                  "seed": first + 1 if seed is None else seed,
-                  **({"config": trained["config"]} if trained is not None and trained.get("config") else {})}
-        entries, _ = reasoning_gym_entries(record, 0)
-    except TrainError as exc:
-        raise typer.BadParameter(str(exc).replace("data.dataset.", ""), param_hint="--task") from None
-    fresh: list[dict[str, Any]] = []
-    skipped = 0
-    for e in entries:
-        if len(fresh) == size:
-            break
-        if e["question"] in seen:
-            skipped += 1
-        else:
-            fresh.append(e)
-    if not fresh:
-        raise typer.BadParameter(f"every one of the {len(entries)} questions of {task} that seed {record['seed']} "
-                                 f"gives is among the {len(seen)} the adapter trained on: with its config the task "
-                                 "has too few questions to hold any out; give a --file of test rows",
-                                 param_hint="--task")
-    said = f"questions of reasoning-gym's {task} (seed {record['seed']})"
-    if trained is not None:
-        said += f", {skipped} that the adapter trained on left out"
-    return [(None, {"prompt": e["question"], **e}) for e in fresh], said
+        return task_rows(task, size, seed, manifest)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--task") from None
 
 
 def _same_base(refs: list[str], adapters: list[Path], base: str | None, quantization: str | None) -> None:

@@ -24,21 +24,22 @@ class ServerScore:
     rows: list[dict[str, Any]]  # every test row's answers and rewards (engine.score.row_records)
 
 
-def score_on_server(refs: list[str], file: Path, grader: dict[str, Any] | None, *, limit: int | None,
-                    max_new_tokens: int | None, compare: bool, base_url: str | None, api_key: str | None,
-                    say: Callable[[str], None], poll_seconds: float = 1.0) -> list[ServerScore]:
-    """One evaluation per adapter of ``refs`` on ``file`` (the first with the base alone where
+def score_on_server(refs: list[str], file: Path | None, dataset: dict[str, Any] | None, grader: dict[str, Any] | None,
+                    *, limit: int | None, max_new_tokens: int | None, compare: bool, base_url: str | None,
+                    api_key: str | None, say: Callable[[str], None], poll_seconds: float = 1.0) -> list[ServerScore]:
+    """One evaluation per adapter of ``refs`` on ``file`` or a task's fresh questions (``dataset``:
+    task, size, seed; the first with the base alone where
     ``compare``: it is the same for all), waited for; ValueError when one does not succeed (those
     still running are cancelled: their numbers would not be printed)."""
     body: dict[str, Any] = {}
     body.update({k: v for k, v in (("grader", grader), ("limit", limit), ("max_new_tokens", max_new_tokens))
                  if v is not None})
     with Client(base_url=base_url, api_key=api_key) as client:
-        test = client.upload_file(file)["id"]
+        rows = {"file": client.upload_file(file)["id"]} if file is not None else {"dataset": dataset}
         made: list[dict[str, Any]] = []
         try:
             for ref in refs:
-                made.append(client.post("/v1/evaluations", {"model": ref, "file": test, **body,
+                made.append(client.post("/v1/evaluations", {"model": ref, **rows, **body,
                                                             "compare_base": compare and not made}))
                 say(f"evaluation {made[-1]['id']} of {ref}: {_status(made[-1])}")
             ended = _wait(client, [ev["id"] for ev in made], refs, say, poll_seconds)

@@ -328,14 +328,26 @@ class GraderRunResult(BaseModel):
 
 
 # ---- evaluations ----------------------------------------------------------------------------
+class EvaluationDataset(_In):
+    """Fresh questions of a reasoning-gym task; for a model trained on that task, with its config and
+    another seed, leaving out every question it trained on (engine.score.task_rows)."""
+    task: str = Field(min_length=1, max_length=128, pattern=NO_CONTROL)
+    size: int = Field(default=50, ge=1, le=10_000)
+    seed: int | None = Field(default=None, ge=0, le=2**31 - 1,
+                             description="default: one past the seed of the model's own questions")
+
+
 class EvaluationCreate(_BoundedIn):
     """Score a fine-tuned model on test rows on a worker's GPU: one greedy answer per row with the
     adapter and one from its base alone, graded as the job's held-out evaluation grades."""
     model: str = Field(min_length=1, max_length=255, pattern=NO_CONTROL,
                        description="a fine-tuned model (ft:...), a kept checkpoint (ft:...:ckpt-step-N), a succeeded "
                                    "job's id (ftjob-...) or an adapter id (adapter-...)")
-    file: str = Field(max_length=255, pattern=NO_CONTROL,
-                      description="the test rows: an uploaded file (purpose fine-tune) in a training file's format")
+    file: str | None = Field(default=None, max_length=255, pattern=NO_CONTROL,
+                             description="the test rows: an uploaded file (purpose fine-tune) in a training file's "
+                                         "format")
+    dataset: EvaluationDataset | None = Field(default=None, description="instead of a file: fresh questions of a "
+                                                                        "reasoning-gym task")
     grader: dict[str, Any] | None = Field(default=None, description="default: the grader the model trained with")
     max_new_tokens: int | None = Field(default=None, ge=1, le=32768,
                                        description="the longest answer (default: the rollouts' limit in training)")
@@ -366,6 +378,7 @@ class Evaluation(BaseModel):
     status: str
     model: str
     file: str | None
+    dataset: dict[str, Any] | None = None
     grader: dict[str, Any] | None
     limit: int | None = None
     max_new_tokens: int | None = None

@@ -121,7 +121,8 @@ def evaluation_view(j: m.Job, queue_position: int | None = None) -> s.Evaluation
                            param=j.error_param)
     return s.Evaluation(
         id=j.id, created_at=unix(j.created_at) or 0, started_at=unix(j.started_at), finished_at=unix(j.finished_at),
-        status=j.status, model=j.model, file=j.validation_file, grader=spec.get("grader"), limit=spec.get("limit"),
+        status=j.status, model=j.model, file=j.validation_file, dataset=spec.get("dataset"), grader=spec.get("grader"),
+        limit=spec.get("limit"),
         max_new_tokens=spec.get("max_new_tokens"), compare_base=bool(spec.get("compare_base", True)),
         metadata=j.user_metadata, error=error,
         result=s.EvaluationResult(**j.outcome) if j.outcome and j.status == "succeeded" else None,

@@ -119,7 +119,11 @@ def test_a_bad_evaluation_request_names_the_field_and_writes_nothing(client, key
          "grader.operation", None),
         ({"model": adapter.name, "file": test_id, "max_new_tokens": 0}, "max_new_tokens", None),
         ({"model": adapter.name, "file": test_id, "limit": 0}, "limit", None),
-        ({"model": adapter.name}, "file", None),
+        ({"model": adapter.name}, "file", "missing_required"),
+        ({"model": adapter.name, "file": test_id, "dataset": {"task": "products"}}, "file", "missing_required"),
+        ({"model": adapter.name, "dataset": {"task": "no_such_task"}}, "dataset.task", None),
+        ({"model": adapter.name, "dataset": {"task": "products", "size": 0}}, "size", None),
+        ({"model": adapter.name, "dataset": {"task": "products", "rows": 3}}, "rows", None),
         ({"model": adapter.name, "file": test_id, "steps": 3}, "steps", None),
     ]
     if results.status_code == 200:  # a file that is no JSONL of rows is refused at upload already
@@ -130,3 +134,27 @@ def test_a_bad_evaluation_request_names_the_field_and_writes_nothing(client, key
     missing = client.post("/v1/evaluations", headers=key_a.headers, json={"model": adapter.name, "file": no_answer})
     assert "answer" in missing.json()["error"]["message"]
     assert _evaluations(db_sessions, key_a.project) == before
+
+
+def test_fresh_questions_of_a_task_leave_out_those_the_model_trained_on(client, key_a, db_sessions, api_settings,
+                                                                       tmp_path):
+    """``dataset`` instead of a file: a reasoning-gym task's fresh questions, drawn as the worker
+    will draw them. A model trained on every question its task's config has (single-digit products)
+    leaves none to hold out: 422 naming ``dataset`` at once, not a failed evaluation later."""
+    small = {"source": "reasoning_gym", "task": "products", "size": 400,
+             "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}}
+    made = client.post("/v1/fine_tuning/jobs", headers=key_a.headers,
+                       json={"model": body("x")["model"], "qerl": {"dataset": small}}).json()
+    adapter = finish_job_with_adapter(db_sessions, api_settings, made["id"], tmp_path)
+    before = _evaluations(db_sessions, key_a.project)
+    err = assert_error(client.post("/v1/evaluations", headers=key_a.headers,
+                                   json={"model": adapter.name, "dataset": {"task": "products"}}), 422, "dataset")
+    assert "too few questions to hold any out" in err["message"]
+    assert _evaluations(db_sessions, key_a.project) == before
+    other = client.post("/v1/evaluations", headers=key_a.headers,  # another task: its own default config
+                        json={"model": adapter.name, "dataset": {"task": "basic_arithmetic", "size": 5, "seed": 7}})
+    assert other.status_code == 200, other.text
+    ev = other.json()
+    assert (ev["file"], ev["dataset"], ev["grader"]) == (None, {"task": "basic_arithmetic", "size": 5, "seed": 7},
+                                                          {"type": "reasoning_gym", "name": "task"})
+    client.post(f"/v1/evaluations/{ev['id']}/cancel", headers=key_a.headers)

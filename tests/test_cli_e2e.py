@@ -581,7 +581,14 @@ def test_eval_on_the_server_scores_as_a_local_eval_does(cli_job: CliJob, qerl_se
                              "--no-compare", "--limit", "2", timeout=300)
     assert table.returncode == 0 and "accuracy" in table.stdout and "base alone" not in table.stdout, table.stdout
     assert "2 rows of" in " ".join(table.stdout.split()) and "on the server" in table.stdout, table.stdout
-    refused = qerl_server.qerl("eval", cli_job.job_id, "--task", "products", "--on-server")
+    task = ("--task", "products", "--size", "3", "--seed", "11", "--max-new-tokens", "6", "--json")
+    asked_here = qerl_server.qerl("eval", cli_job.job_id, *task, "--device", "cpu", timeout=300)
+    asked_there = qerl_server.qerl("eval", cli_job.job_id, *task, "--on-server", timeout=300)
+    assert asked_there.returncode == 0 and asked_here.returncode == 0, asked_there.stderr + asked_here.stderr
+    here, there = json.loads(asked_here.stdout.splitlines()[-1]), json.loads(asked_there.stdout.splitlines()[-1])
+    assert (there["task"], there["rows"], there["max_new_tokens"]) == ("products", 3, 6)  # fresh questions there too
+    assert all(abs(there[side][k] - v) <= 1e-9 for side in ("fine_tuned", "base") for k, v in here[side].items())
+    refused = qerl_server.qerl("eval", cli_job.job_id, "--file", str(test), "--on-server", "--device", "cpu")
     assert refused.returncode == 2 and "--on-server" in refused.stdout + refused.stderr
     listed = qerl_server.qerl("evaluations", "list")  # and `qerl evaluations` shows, one by one, what ran
     row = next(line for line in listed.stdout.splitlines() if ev["id"] in line)

@@ -171,27 +171,35 @@ def _unpack_parent(s: Session, job: Job, rel: str, store: ArtifactStore) -> Path
 
 def _evaluate(ctx: WorkerContext, keeper: LeaseKeeper, job: Job, store: ArtifactStore,
               should_stop: Callable[[], bool]) -> Callable[[], str] | None:
-    """An evaluation's run: the adapter's archive and the test file onto this host, then
-    engine.score.evaluate_adapter; what records its scores, or None when it stopped."""
-    from engine.score import evaluate_adapter, read_test_rows  # torch: only once a job runs
+    """An evaluation's run: the adapter's archive onto this host, its test rows (the file, or a
+    task's fresh questions), then engine.score.evaluate_adapter; what records its scores, or None
+    when it stopped."""
+    from engine.score import evaluate_adapter, read_manifest, read_test_rows, task_rows  # torch: once a job runs
 
     spec = job.spec or {}
+    questions = spec.get("dataset")
 
-    def prepare() -> tuple[Path, Path]:
+    def prepare() -> tuple[Path | None, Path]:
         with ctx.sessions() as s:
-            return (_file_path(s, job.validation_file or "", "file", store),
-                    _unpack_parent(s, job, spec["init_adapter"], store))
+            test = _file_path(s, job.validation_file, "file", store) if job.validation_file else None
+            return test, _unpack_parent(s, job, spec["init_adapter"], store)
 
     test, adapter = keeper.retry(prepare, "reading the evaluation's files")
-    rows = read_test_rows(test)[:spec.get("limit") or None]
-    reporter = DBReporter(ctx.sessions, job.id, job.attempt, store=store, total_steps=0, retry=keeper.retry,
-                          on_status=keeper.saw)
-    alone = " and with its base alone" if spec.get("compare_base", True) else ""
-    reporter.event("info", f"Scoring {len(rows)} rows of {job.validation_file} with {job.model}{alone}")
     try:
+        if test is not None:
+            rows, where = read_test_rows(test), f"file {job.validation_file}"
+            said = f"rows of {job.validation_file}"
+        else:
+            rows, said = task_rows(questions["task"], questions["size"], questions.get("seed"), read_manifest(adapter))
+            where = f"dataset {questions['task']}"
+        rows = rows[:spec.get("limit") or None]
+        reporter = DBReporter(ctx.sessions, job.id, job.attempt, store=store, total_steps=0, retry=keeper.retry,
+                              on_status=keeper.saw)
+        alone = " and with its base alone" if spec.get("compare_base", True) else ""
+        reporter.event("info", f"Scoring {len(rows)} {said} with {job.model}{alone}")
         scored = evaluate_adapter(adapter, rows, grader=spec.get("grader"), max_new_tokens=spec.get("max_new_tokens"),
-                                  compare=bool(spec.get("compare_base", True)), ref=job.model,
-                                  where=f"file {job.validation_file}", should_stop=should_stop)
+                                  compare=bool(spec.get("compare_base", True)), ref=job.model, where=where,
+                                  should_stop=should_stop)
     except GraderUnavailable as exc:  # no checkpoint to pause at: the evaluation ends, to be created again
         raise TrainError("grader_unavailable", f"{exc}; create the evaluation again once it answers") from None
     except TrainError:  # the rows, or the grader's own failure: as the engine says it

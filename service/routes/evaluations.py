@@ -12,6 +12,8 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query, Request, Response
 
 from engine import registry
+from engine.data.builtin import check_dataset
+from engine.types import TrainError
 from service import crud
 from service.auth import CurrentKey
 from service.deps import ReadSessionDep, ReleasingRoute, SessionDep, SettingsDep, StoreDep, json_response
@@ -37,6 +39,10 @@ def create_evaluation(body: EvaluationCreate, key: CurrentKey, session: SessionD
         earlier = crud.job_by_idempotency_key(session, key.project, idempotency_key)
         if earlier is not None:
             return replay(earlier, digest, evaluation_view)
+    if (body.file is None) == (body.dataset is None):
+        raise APIError(422, "give the test rows: 'file' (an uploaded file id) or 'dataset' (fresh questions of a "
+                            "reasoning-gym task, e.g. {\"task\": \"products\", \"size\": 50}), not both",
+                       code="missing_required", param="file")
     source = crud.find_model(session, key.project, body.model)
     if source is None:
         raise APIError(422, f"no fine-tuned model, kept checkpoint, succeeded job or adapter {body.model!r} in this "
@@ -53,15 +59,21 @@ def create_evaluation(body: EvaluationCreate, key: CurrentKey, session: SessionD
         raise APIError(422, f"{body.model} trained without a grader of its own (a built-in task's scorer); give the "
                             "grader to score the test rows with as 'grader'", code="missing_required", param="grader")
     built = check_grader(grader, "grader.")
-    f = usable_file(lambda fid: counted(store, crud.get_file(session, key.project, fid, for_update=True)), "file",
-                    body.file)
-    check_file_fields(built, f, "file", body.file)
+    f = None
+    if body.file is not None:
+        f = usable_file(lambda fid: counted(store, crud.get_file(session, key.project, fid, for_update=True)), "file",
+                        body.file)
+        check_file_fields(built, f, "file", body.file)
+    else:
+        _check_questions(body, trained)
     check_active_limit(session, key.project, settings.max_active_jobs, "create another")
     spec = {"model": source.base_model, "init_adapter": source.path, "adapter_sha256": source.sha256,
             "grader": grader, "limit": body.limit, "max_new_tokens": body.max_new_tokens,
-            "compare_base": body.compare_base}
+            "compare_base": body.compare_base,
+            "dataset": body.dataset.model_dump() if body.dataset is not None else None}
     job = Job(id=new_id("evaljob"), kind="eval", project=key.project, model=source.name, status="queued",
-              request=raw, spec=spec, validation_file=f.id, seed=0, user_metadata=body.metadata,
+              request=raw, spec=spec, validation_file=f.id if f is not None else None, seed=0,
+              user_metadata=body.metadata,
               idempotency_key=idempotency_key, request_hash=digest, max_attempts=settings.max_attempts)
     if crud.insert_job(session, job, f"Created evaluation: {job.id}") is None:  # a concurrent twin won
         return replay(crud.job_by_idempotency_key(session, key.project, idempotency_key or ""), digest,
@@ -71,6 +83,27 @@ def create_evaluation(body: EvaluationCreate, key: CurrentKey, session: SessionD
     view = evaluation_view(job, queue.positions_of(session, [job.id]).get(job.id))
     wake(session, job.id)
     return view
+
+
+def _check_questions(body: EvaluationCreate, trained: Job | None) -> None:
+    """The task's questions as the worker will draw them (engine.score.task_rows, from what the model
+    trained on), or 422 naming ``dataset`` (503 where this server cannot import reasoning-gym)."""
+    from engine.score import task_rows
+
+    assert body.dataset is not None
+    d = body.dataset
+    try:
+        check_dataset({"source": "reasoning_gym", "task": d.task, "size": 1})
+    except TrainError as exc:
+        if exc.code == "dataset_unavailable":
+            raise APIError(503, f"{exc} The evaluation was not created.", code=exc.code, param="dataset") from None
+        raise APIError(422, str(exc).replace("data.dataset.", "dataset."), code="invalid_value",
+                       param="dataset.task") from None
+    spec = (trained.spec or {}) if trained is not None else {}
+    try:
+        task_rows(d.task, d.size, d.seed, {"dataset": (spec.get("data") or {}).get("dataset"), "seed": spec.get("seed")})
+    except ValueError as exc:
+        raise APIError(422, str(exc), code="invalid_value", param="dataset") from None
 
 
 @router.get("", response_model=ListPage[Evaluation])
