@@ -67,7 +67,7 @@ def create_evaluation(body: EvaluationCreate, key: CurrentKey, session: SessionD
     else:
         _check_questions(body, trained)
     check_active_limit(session, key.project, settings.max_active_jobs, "create another")
-    spec = {"model": source.base_model, "init_adapter": source.path, "adapter_sha256": source.sha256,
+    spec = {"model": source.base_model, "init_adapter": source.path,
             "grader": grader, "limit": body.limit, "max_new_tokens": body.max_new_tokens,
             "compare_base": body.compare_base,
             "dataset": body.dataset.model_dump() if body.dataset is not None else None}
