@@ -116,8 +116,8 @@ def eval_cmd(
         dir_okay=False, help="write every row's answers and rewards here, as JSON lines")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="the scores as JSON, a line per adapter")] = False,
     on_server: Annotated[bool, typer.Option(
-        "--on-server", help="score on the server's workers (their GPU) instead of here: --file is uploaded and an "
-        "evaluation created per adapter (POST /v1/evaluations)")] = False,
+        "--on-server", help="score on the server's workers (their GPU) instead of here: an evaluation per adapter "
+        "(POST /v1/evaluations) of --file, uploaded, or of --task's questions")] = False,
     base_url: BaseUrl = None,
     api_key: ApiKey = None,
 ) -> None:
@@ -166,25 +166,33 @@ def eval_cmd(
                                                    with_base=compare and alone is None)
         alone = alone or alone_here
         results.append({"ref": ref, "adapter": adapter, "examples": examples, "scored": scored, **facts})
-    per_row = [row_records(res["ref"], res["examples"], res["scored"], alone) for res in results]
+    per_row = [r for res in results for r in row_records(res["ref"], res["examples"], res["scored"], alone)]
+    lines = [{"adapter": str(res["adapter"]), "ref": res["ref"], "model": res["model"],
+              "quantization": res["quantization"], "device": res["device"],
+              "file": str(file) if file is not None else None, "task": task, "rows": len(rows),
+              "max_new_tokens": params.max_new_tokens, "grader": scorer.name,
+              "fine_tuned": _plain(res["scored"].metrics), "base": _plain(alone.metrics) if alone is not None else None}
+             for res in results]
+    where = f"the adapter in {results[0]['adapter']}" if len(results) == 1 else f"{len(results)} adapters"
+    _report(lines, per_row, source, where, results[0]["device"], show, output, as_json)
+
+
+def _report(lines: list[dict[str, Any]], per_row: list[dict[str, Any]], source: str, where: str, on: str, show: int,
+            output: Path | None, as_json: bool) -> None:
+    """The scores, a local run's or the server's: every row to ``output``; a JSON line per adapter,
+    or the table, the answers that changed most and what was scored."""
     if output is not None:
-        output.write_text("".join(json.dumps(r) + "\n" for rows_of in per_row for r in rows_of))
+        output.write_text("".join(json.dumps(r) + "\n" for r in per_row))
     if as_json:
-        for res in results:
-            print(json.dumps({"adapter": str(res["adapter"]), "ref": res["ref"], "model": res["model"],
-                              "quantization": res["quantization"], "file": str(file) if file is not None else None,
-                              "task": task, "rows": len(rows),
-                              "max_new_tokens": params.max_new_tokens, "grader": scorer.name,
-                              "fine_tuned": _plain(res["scored"].metrics),
-                              "base": _plain(alone.metrics) if alone is not None else None}), flush=True)
+        for line in lines:
+            print(json.dumps(line), flush=True)
         return
-    _print_scores([(r["ref"], r["scored"].metrics) for r in results], alone.metrics if alone is not None else None,
-                  per_row[0], show)
-    first = results[0]
-    where = f"the adapter in {first['adapter']}" if len(results) == 1 else f"{len(results)} adapters"
-    console.print(f"[dim]{len(rows)} {escape(source)}, greedy, at most {params.max_new_tokens} new "
-                  f"tokens; {escape(first['model'])} ({first['quantization']}) with {escape(where)}, on "
-                  f"{first['device']}; graded by {escape(str(scorer.name))}[/]")
+    first = lines[0]
+    _print_scores([(line["ref"], _prefixed(line["fine_tuned"])) for line in lines],
+                  _prefixed(first["base"]) if first["base"] is not None else None, per_row, show)
+    console.print(f"[dim]{first['rows']} {escape(source)}, greedy, at most {first['max_new_tokens']} new tokens; "
+                  f"{escape(first['model'])} ({first['quantization']}) with {escape(where)}, on {escape(on)}; graded "
+                  f"by {escape(str(first['grader']))}[/]")
     if output is not None:
         console.print(f"[dim]every row's answers and rewards: {escape(str(output))}[/]")
 
@@ -228,28 +236,19 @@ def _eval_on_server(refs: list[str], file: Path | None, questions: dict[str, Any
     config = load_spec(grader, 'a grader such as {"type": "string_check", ...}') if grader is not None else None
     scores = score_on_server(refs, file, questions, config, limit=limit, max_new_tokens=max_new_tokens, compare=compare,
                              base_url=base_url, api_key=api_key, say=lambda m: err.print(f"[dim]{escape(m)}[/]"))
-    results = [s.evaluation["result"] for s in scores]
-    alone = results[0]["base"]
-    if output is not None:
-        output.write_text("".join(json.dumps(r) + "\n" for s in scores for r in s.rows))
-    if as_json:
-        for s, res in zip(scores, results):
-            print(json.dumps({"evaluation": s.evaluation["id"], "ref": s.ref, "model": res["base_model"],
-                              "quantization": res["quantization"], "device": res["device"],
-                              "file": str(file) if file is not None else None,
-                              "task": questions["task"] if questions else None, "rows": res["rows"], "max_new_tokens": res["max_new_tokens"],
-                              "grader": res["grader"], "fine_tuned": res["fine_tuned"], "base": alone}), flush=True)
-        return
-    _print_scores([(s.ref, _prefixed(res["fine_tuned"])) for s, res in zip(scores, results)],
-                  _prefixed(alone) if alone is not None else None, scores[0].rows, show)
-    first = results[0]
-    where = scores[0].ref if len(scores) == 1 else f"{len(scores)} adapters"
+    lines = []
+    for score in scores:
+        res = score.evaluation["result"]
+        lines.append({"evaluation": score.evaluation["id"], "ref": score.ref, "model": res["base_model"],
+                      "quantization": res["quantization"], "device": res["device"],
+                      "file": str(file) if file is not None else None,
+                      "task": questions["task"] if questions else None, "rows": res["rows"],
+                      "max_new_tokens": res["max_new_tokens"], "grader": res["grader"],
+                      "fine_tuned": res["fine_tuned"], "base": scores[0].evaluation["result"]["base"]})
     source = f"rows of {file}" if file is not None else f"questions of reasoning-gym's {(questions or {})['task']}"
-    console.print(f"[dim]{first['rows']} {escape(source)}, greedy, at most {first['max_new_tokens']} new "
-                  f"tokens; {escape(first['base_model'])} ({first['quantization']}) with {escape(where)}, on the "
-                  f"server ({first['device']}); graded by {escape(str(first['grader']))}[/]")
-    if output is not None:
-        console.print(f"[dim]every row's answers and rewards: {escape(str(output))}[/]")
+    _report(lines, [r for score in scores for r in score.rows], source,
+            scores[0].ref if len(scores) == 1 else f"{len(scores)} adapters", f"the server ({lines[0]['device']})",
+            show, output, as_json)
 
 
 def _prefixed(m: dict[str, float]) -> dict[str, float]:
