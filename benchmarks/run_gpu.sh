@@ -32,7 +32,7 @@ svc=$(python3 -c "import fastapi, sqlalchemy, celery" 2>/dev/null \
   || echo --noconftest)
 stage tests 180 python3 -m pytest $svc tests/test_gpu_path.py tests/test_rollout_cuda_graph.py tests/test_kernels_gpu.py \
   tests/test_fused_decode_gpu.py tests/test_decode_attention_gpu.py \
-  tests/test_lora_peft.py::test_split_branch_matches_the_fp32_branch tests/test_memory_plan.py -q -p no:cacheprovider
+  tests/test_lora_peft.py::test_split_branch_matches_the_fp32_branch tests/test_memory_plan.py -q -rs -p no:cacheprovider
 stage rollout 300 bash -c 'python3 benchmarks/rollout.py --deadline $DEADLINE --sizes 7b,32b --methods nvfp4,bf16,nf4 \
   --batches 1,8 --ranks 16 --gen 256 --bandwidth --json '"$OUT"'/rollout.json'
 stage rollout1024 300 bash -c 'python3 benchmarks/rollout.py --deadline $DEADLINE --sizes 7b,14b,32b \
