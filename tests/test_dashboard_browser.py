@@ -372,13 +372,16 @@ def test_a_succeeded_jobs_adapter_is_evaluated_from_its_page(browser, cli_job: C
     driver.get(f"{qerl_server.url}/#/jobs/{cli_job.job_id}")
     driver.refresh()
     _wait(driver, lambda d: d.find_elements(By.ID, "eval-run"), what="the evaluation form")
+    shown_ids = "return [...document.querySelectorAll('#evaluations-table tbody tr')].map(r => r.dataset.evaluationId)"
+    earlier = set(driver.execute_script(shown_ids))  # the model's evaluations other tests made
     Select(driver.find_element(By.ID, "eval-file")).select_by_value(cli_job.file_id)  # the training rows, as a test
     driver.find_element(By.ID, "eval-run").click()
-    row = "#evaluations-table tbody tr"
+    ev_id = _wait(driver, lambda d: next((i for i in d.execute_script(shown_ids) if i not in earlier), None),
+                  what="the new evaluation's row")
+    row = f"#evaluations-table tr[data-evaluation-id='{ev_id}']"
     _wait(driver, lambda d: d.execute_script(
-        f"const r = document.querySelector('{row}'); return r && r.querySelector('[data-status]').dataset.status")
+        f"const r = document.querySelector(\"{row}\"); return r && r.querySelector('[data-status]').dataset.status")
           == "succeeded", timeout=300, what="the evaluation to succeed")
-    ev_id = driver.execute_script(f"return document.querySelector('{row}').dataset.evaluationId")
     ev = httpx.get(f"{qerl_server.url}/v1/evaluations/{ev_id}", headers=qerl_server.headers).json()
     assert (ev["model"], ev["file"], ev["status"]) == (cli_job.job["fine_tuned_model"], cli_job.file_id, "succeeded")
     result = ev["result"]
@@ -388,12 +391,12 @@ def test_a_succeeded_jobs_adapter_is_evaluated_from_its_page(browser, cli_job: C
         return f"{float(f'{tuned:.3g}'):g} (base {float(f'{alone:.3g}'):g})"
 
     cells = driver.execute_script(
-        f"const r = document.querySelector('{row}'); return [r.querySelector('.eval-accuracy').textContent,"
+        f"const r = document.querySelector(\"{row}\"); return [r.querySelector('.eval-accuracy').textContent,"
         " r.querySelector('.eval-reward').textContent]")
     assert cells == [shown("accuracy"), shown("reward_mean")], (cells, result)
     driver.find_element(By.CSS_SELECTOR, f"{row} .eval-rows").click()
     _wait(driver, lambda d: d.execute_script(
-        f"return document.querySelector('{row} .eval-rows').nextSibling.nextSibling.textContent")
+        f"return document.querySelector(\"{row} .eval-rows\").nextSibling.nextSibling.textContent")
           in ("sha256 verified", "downloaded"), what="the rows download")
     ARTIFACTS.mkdir(exist_ok=True)
     driver.save_screenshot(str(ARTIFACTS / "dashboard-evaluation.png"))
