@@ -400,3 +400,42 @@ def test_a_succeeded_jobs_adapter_is_evaluated_from_its_page(browser, cli_job: C
           in ("sha256 verified", "downloaded"), what="the rows download")
     ARTIFACTS.mkdir(exist_ok=True)
     driver.save_screenshot(str(ARTIFACTS / "dashboard-evaluation.png"))
+
+
+@needs_chromium
+def test_a_job_trained_on_a_task_is_evaluated_on_its_fresh_questions(browser, qerl_server: Served) -> None:
+    """A job trained on a reasoning-gym task offers its fresh questions first (no file needed): the
+    evaluation it creates draws them as `qerl eval --task` does, and its row says what it scored."""
+    from selenium.webdriver.common.by import By
+
+    body = yaml.safe_load(JOB_SPEC_YAML)
+    body["qerl"].update(steps=1, checkpoint_interval=0, dataset={"source": "reasoning_gym", "task": "products",
+                                                                  "size": 16})
+    resp = httpx.post(f"{qerl_server.url}/v1/fine_tuning/jobs", json=body, headers=qerl_server.headers)
+    assert resp.status_code == 200, resp.text
+    job_id = resp.json()["id"]
+
+    def job() -> dict:
+        return httpx.get(f"{qerl_server.url}/v1/fine_tuning/jobs/{job_id}", headers=qerl_server.headers).json()
+
+    driver = browser
+    _wait(driver, lambda d: job()["status"] in ("succeeded", "failed", "cancelled"), timeout=300, what="the job to end")
+    assert job()["status"] == "succeeded", job()
+    driver.get(f"{qerl_server.url}/")
+    driver.execute_script("localStorage.setItem('qerl.apiKey', arguments[0])", qerl_server.api_key)
+    driver.get(f"{qerl_server.url}/#/jobs/{job_id}")
+    driver.refresh()
+    _wait(driver, lambda d: d.find_elements(By.ID, "eval-run"), what="the evaluation form")
+    first = driver.execute_script("const o = document.querySelector('#eval-file option'); return [o.value, o.text]")
+    assert first == ["task:products", "50 fresh questions of products"], first
+    driver.find_element(By.ID, "eval-run").click()  # the first option, selected
+    row = "#evaluations-table tbody tr"
+    _wait(driver, lambda d: d.execute_script(
+        f"const r = document.querySelector('{row}'); return r && r.querySelector('[data-status]').dataset.status")
+          == "succeeded", timeout=300, what="the evaluation to succeed")
+    ev_id = driver.execute_script(f"return document.querySelector('{row}').dataset.evaluationId")
+    ev = httpx.get(f"{qerl_server.url}/v1/evaluations/{ev_id}", headers=qerl_server.headers).json()
+    assert (ev["file"], ev["dataset"], ev["result"]["rows"]) == (None, {"task": "products", "size": 50, "seed": None},
+                                                                 50), ev
+    assert driver.execute_script(f"return document.querySelector('{row} .eval-rows-of').textContent") == \
+        "50 questions of products"

@@ -12,6 +12,7 @@
 
   const KEY_STORE = 'qerl.apiKey';
   const TERMINAL = ['succeeded', 'failed', 'cancelled'];
+  const EVAL_QUESTIONS = 50; // a job trained on a reasoning-gym task is evaluated on this many fresh questions
   const TRAIN = '#2f6fde', EVAL = '#e8590c';
   const CHARTS = [
     { id: 'reward', title: 'Reward', series: [{ key: 'reward_mean', label: 'train', color: TRAIN },
@@ -412,14 +413,19 @@
         getJSON('/v1/files?purpose=fine-tune&limit=500', { signal: abort.signal }),
         getJSON(`/v1/evaluations?limit=100&model=${encodeURIComponent(evalModel)}`, { signal: abort.signal })]);
       const chosen = (document.getElementById('eval-file') || {}).value;
-      const pick = el('select', { id: 'eval-file' }, ...files.data.map(
-        (f) => el('option', { value: f.id, selected: f.id === chosen }, `${f.filename} (${f.id})`)));
+      const task = job && job.qerl.dataset ? job.qerl.dataset.task : null; // trained on a task: its fresh questions
+      const pick = el('select', { id: 'eval-file' },
+        ...(task ? [el('option', { value: `task:${task}`, selected: chosen === `task:${task}` },
+          `${EVAL_QUESTIONS} fresh questions of ${task}`)] : []),
+        ...files.data.map((f) => el('option', { value: f.id, selected: f.id === chosen }, `${f.filename} (${f.id})`)));
       const said = el('span', { class: 'muted', id: 'eval-said' });
       const run = el('button', { type: 'button', id: 'eval-run', disabled: !pick.options.length, onclick: async () => {
         run.disabled = true;
         try {
           await getJSON('/v1/evaluations', { method: 'POST', headers: { 'Content-Type': 'application/json' },
-            body: JSON.stringify({ model: evalModel, file: pick.value }) });
+            body: JSON.stringify(pick.value.startsWith('task:')
+              ? { model: evalModel, dataset: { task: pick.value.slice(5), size: EVAL_QUESTIONS } }
+              : { model: evalModel, file: pick.value }) });
           await loadEvaluations();
         } catch (e) { said.textContent = e.message; said.className = 'error'; run.disabled = false; }
       } }, 'Evaluate on this file');
@@ -429,7 +435,9 @@
         const get = ev.result_files.length ? el('button', { type: 'button', class: 'eval-rows', onclick: () => download(
           `/v1/files/${ev.result_files[0]}/content`, `${ev.id}-rows.jsonl`, null, done) }, 'rows (.jsonl)') : '';
         return el('tr', { 'data-evaluation-id': ev.id },
-          el('td', { class: 'wrap' }, ev.id), el('td', {}, ev.file || '–'), el('td', {}, badge(ev.status)),
+          el('td', { class: 'wrap' }, ev.id),
+          el('td', { class: 'eval-rows-of' }, ev.file || (ev.dataset ? `${ev.dataset.size} questions of ${ev.dataset.task}` : '–')),
+          el('td', {}, badge(ev.status)),
           el('td', { class: 'eval-accuracy' }, side(ev.result, 'accuracy')),
           el('td', { class: 'eval-reward' }, side(ev.result, 'reward_mean')),
           el('td', {}, get, ' ', done, ev.error ? el('span', { class: 'error' }, `${ev.error.code}: ${ev.error.message}`) : ''));
@@ -437,7 +445,7 @@
       document.getElementById('evaluations').replaceChildren(
         el('p', {}, pick, ' ', run, ' ', said),
         el('table', { class: 'grid', id: 'evaluations-table' },
-          el('thead', {}, el('tr', {}, ...['Evaluation', 'File', 'Status', 'Accuracy', 'Reward', 'Rows'].map((h) => el('th', {}, h)))),
+          el('thead', {}, el('tr', {}, ...['Evaluation', 'Test rows', 'Status', 'Accuracy', 'Reward', 'Rows'].map((h) => el('th', {}, h)))),
           el('tbody', {}, ...rows)),
         el('pre', { class: 'cmd' }, `qerl eval ${jobId} --file test.jsonl --on-server`));
       if (!disposed && page.data.some((ev) => !TERMINAL.includes(ev.status))) {
