@@ -60,6 +60,26 @@ def _wait(driver, condition, timeout: float = 30.0, what: str = "the page"):  # 
         pytest.fail(f"timed out waiting for {what}; browser console: {logs}")
 
 
+def _open_job_page(driver, served: Served, job_id: str) -> None:  # type: ignore[no-untyped-def]
+    """Signed in with the server's key (kept by the page in local storage), on the job's page."""
+    driver.get(f"{served.url}/")
+    driver.execute_script("localStorage.setItem('qerl.apiKey', arguments[0])", served.api_key)
+    driver.get(f"{served.url}/#/jobs/{job_id}")
+    driver.refresh()
+
+
+def _ended_job(driver, served: Served, body: dict) -> dict:  # type: ignore[no-untyped-def]
+    """The job ``body`` creates, once it has ended."""
+    resp = httpx.post(f"{served.url}/v1/fine_tuning/jobs", json=body, headers=served.headers)
+    assert resp.status_code == 200, resp.text
+
+    def ended(_driver) -> dict | None:  # type: ignore[no-untyped-def]
+        job = httpx.get(f"{served.url}/v1/fine_tuning/jobs/{resp.json()['id']}", headers=served.headers).json()
+        return job if job["status"] in ("succeeded", "failed", "cancelled") else None
+
+    return _wait(driver, ended, timeout=300, what="the job to end")
+
+
 def _series_pixels(driver, metric: str) -> int:  # type: ignore[no-untyped-def]
     """Canvas pixels of the chart painted in a series' colour (lines and points)."""
     return driver.execute_script("""
@@ -328,21 +348,12 @@ def test_a_job_that_stopped_early_shows_as_done(browser, cli_job: CliJob, qerl_s
     body = yaml.safe_load(JOB_SPEC_YAML) | {"training_file": cli_job.file_id}
     body["qerl"].update(steps=5, checkpoint_interval=0, eval_interval=1, early_stop_patience=1,
                         aqn={"enabled": False}, optim={"lr": 1e-12})
-    resp = httpx.post(f"{qerl_server.url}/v1/fine_tuning/jobs", json=body, headers=qerl_server.headers)
-    assert resp.status_code == 200, resp.text
-    job_id = resp.json()["id"]
-
-    def job() -> dict:
-        return httpx.get(f"{qerl_server.url}/v1/fine_tuning/jobs/{job_id}", headers=qerl_server.headers).json()
-
     driver = browser
-    _wait(driver, lambda d: job()["status"] in ("succeeded", "failed", "cancelled"), timeout=300, what="the job to end")
-    assert job()["status"] == "succeeded" and job()["qerl"]["progress"] == {"step": 1, "total_steps": 5,
-                                                                          "stopped_early": True}, job()
-    driver.get(f"{qerl_server.url}/")
-    driver.execute_script("localStorage.setItem('qerl.apiKey', arguments[0])", qerl_server.api_key)
-    driver.get(f"{qerl_server.url}/#/jobs/{job_id}")
-    driver.refresh()
+    done = _ended_job(driver, qerl_server, body)
+    job_id = done["id"]
+    assert done["status"] == "succeeded" and done["qerl"]["progress"] == {"step": 1, "total_steps": 5,
+                                                                        "stopped_early": True}, done
+    _open_job_page(driver, qerl_server, job_id)
     _wait(driver, lambda d: d.find_element(By.ID, "job-id").text == job_id and d.execute_script(
         "const e = [...document.querySelectorAll('#job-facts > div')].find(e => e.querySelector('dt').textContent"
         " === 'Progress'); return e && e.querySelector('dd').textContent") == "1 / 5 steps (stopped early)",
@@ -367,10 +378,7 @@ def test_a_succeeded_jobs_adapter_is_evaluated_from_its_page(browser, cli_job: C
     from selenium.webdriver.support.ui import Select
 
     driver = browser
-    driver.get(f"{qerl_server.url}/")
-    driver.execute_script("localStorage.setItem('qerl.apiKey', arguments[0])", qerl_server.api_key)
-    driver.get(f"{qerl_server.url}/#/jobs/{cli_job.job_id}")
-    driver.refresh()
+    _open_job_page(driver, qerl_server, cli_job.job_id)
     _wait(driver, lambda d: d.find_elements(By.ID, "eval-run"), what="the evaluation form")
     shown_ids = "return [...document.querySelectorAll('#evaluations-table tbody tr')].map(r => r.dataset.evaluationId)"
     earlier = set(driver.execute_script(shown_ids))  # the model's evaluations other tests made
@@ -411,20 +419,10 @@ def test_a_job_trained_on_a_task_is_evaluated_on_its_fresh_questions(browser, qe
     body = yaml.safe_load(JOB_SPEC_YAML)
     body["qerl"].update(steps=1, checkpoint_interval=0, dataset={"source": "reasoning_gym", "task": "products",
                                                                   "size": 16})
-    resp = httpx.post(f"{qerl_server.url}/v1/fine_tuning/jobs", json=body, headers=qerl_server.headers)
-    assert resp.status_code == 200, resp.text
-    job_id = resp.json()["id"]
-
-    def job() -> dict:
-        return httpx.get(f"{qerl_server.url}/v1/fine_tuning/jobs/{job_id}", headers=qerl_server.headers).json()
-
     driver = browser
-    _wait(driver, lambda d: job()["status"] in ("succeeded", "failed", "cancelled"), timeout=300, what="the job to end")
-    assert job()["status"] == "succeeded", job()
-    driver.get(f"{qerl_server.url}/")
-    driver.execute_script("localStorage.setItem('qerl.apiKey', arguments[0])", qerl_server.api_key)
-    driver.get(f"{qerl_server.url}/#/jobs/{job_id}")
-    driver.refresh()
+    done = _ended_job(driver, qerl_server, body)
+    assert done["status"] == "succeeded", done
+    _open_job_page(driver, qerl_server, done["id"])
     _wait(driver, lambda d: d.find_elements(By.ID, "eval-run"), what="the evaluation form")
     first = driver.execute_script("const o = document.querySelector('#eval-file option'); return [o.value, o.text]")
     assert first == ["task:products", "50 fresh questions of products"], first
